@@ -1,0 +1,49 @@
+"""hcqa: an asynchronous, actor-based scheduler for accelerator command queues on trio."""
+
+from hcqa.devices import (
+    Buffer,
+    CpuDevice,
+    Device,
+    DeviceStatistics,
+    Program,
+    open_device,
+    open_devices,
+    transfer,
+)
+from hcqa.errors import (
+    DeviceClosed,
+    DeviceFault,
+    HcqaError,
+    InvalidCommand,
+    OutOfMemory,
+    QueueFull,
+    SignalTimeout,
+)
+from hcqa.queue import Queue
+from hcqa.signals import Fence, Signal, SignalStatistics
+from hcqa.variables import Variable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "CpuDevice",
+    "Device",
+    "DeviceClosed",
+    "DeviceFault",
+    "DeviceStatistics",
+    "Fence",
+    "HcqaError",
+    "InvalidCommand",
+    "OutOfMemory",
+    "Program",
+    "Queue",
+    "QueueFull",
+    "Signal",
+    "SignalStatistics",
+    "SignalTimeout",
+    "Variable",
+    "open_device",
+    "open_devices",
+    "transfer",
+]

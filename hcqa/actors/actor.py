@@ -1,0 +1,183 @@
+"""Queue actors: one trio task per device queue.
+
+Theory of operation
+-------------------
+A :class:`QueueActor` is started with ``nursery.start(actor.run)``. It reads
+:class:`Batch` messages from a bounded memory channel, dispatching on the
+message type through a table, and ends on ``EndOfChannel`` (the device closed
+its send side: drain) or on cancellation (the device was left by an exception:
+abandon pending work).
+
+For each batch it walks the commands in order. A ``Wait`` whose signal has
+not reached its value is *awaited here*, on the event loop: the task parks on
+the signal's eventfd and costs nothing until the producer writes. Every other
+command is collected into a run and handed to the queue's
+:class:`~hcqa.actors.engine.Engine` thread in one ``put``. Runs keep queue
+order because the engine is FIFO and a run after a Wait is only handed over
+once the Wait is satisfied.
+
+A Wait that ends in an error -- the awaited signal was broken by another
+device's fault, or its hang limit passed with no progress -- faults this
+device with that very error instance, so faults travel across devices instead
+of becoming hangs.
+
+The actor also keeps the queue's own progress signal (``actor.signal``), which
+the batch's trailing ``Signal`` command advances: other queues wait on it for
+cross-queue dependencies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from hcqa import commands as cmd
+from hcqa.actors.engine import Engine
+from hcqa.errors import HcqaError
+from hcqa.signals import Signal
+
+if TYPE_CHECKING:
+    from hcqa.devices.base import Device
+
+__all__ = ["Batch", "QueueActor", "QueueStatistics"]
+
+
+@attrs.frozen
+class Batch:
+    """One submitted batch: resolved commands, in queue order."""
+
+    commands: list[Any]
+
+
+@attrs.frozen(kw_only=True)
+class QueueStatistics:
+    """What :meth:`QueueActor.statistics` reports."""
+
+    name: str
+    kind: str
+    submitted: int
+    completed: int
+    pending_batches: int
+    capacity: int
+    waiting: bool
+
+
+class QueueActor:
+    """The trio task behind one device queue (``kind`` is ``"compute"`` or ``"copy"``)."""
+
+    def __init__(self, device: Device, kind: str, engine: Engine, *, capacity: int) -> None:
+        self.device = device
+        self.kind = kind
+        self.name = f"{device.name} {kind}"
+        self.engine = engine
+        self.capacity = capacity
+        self._send, self._recv = trio.open_memory_channel[Batch](capacity)
+        self.signal = Signal(name=f"{self.name} queue")
+        self.value = 0  # the last value of ``signal`` handed out
+        self.sent = 0
+        self.received = 0
+        self._space = trio.lowlevel.ParkingLot()
+        self._waiting = False
+        self._table: dict[type, Callable[[Any], Awaitable[None]]] = {Batch: self._batch}
+
+    # -- the submitting side (caller's task) ---------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        return self.sent - self.received >= self.capacity
+
+    def send_nowait(self, batch: Batch) -> None:
+        self._send.send_nowait(batch)
+        self.sent += 1
+
+    async def wait_for_space(self) -> None:
+        await self._space.park()
+
+    async def close_input(self) -> None:
+        """No more batches: the actor drains what it has and ends."""
+        await self._send.aclose()
+
+    # -- the actor -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.engine.start()
+        task_status.started()
+        try:
+            async with self._recv:
+                while True:
+                    try:
+                        message = await self._recv.receive()
+                    except trio.EndOfChannel:
+                        break
+                    self.received += 1
+                    if self._space:
+                        self._space.unpark_all()
+                    handler = self._table.get(type(message))
+                    if handler is None:
+                        raise TypeError(
+                            f"queue {self.name!r} got an unknown message "
+                            f"{type(message).__name__} (expected Batch)"
+                        )
+                    await handler(message)
+        except trio.Cancelled:
+            self.device._cancel()  # left by an exception or cancelled: abandon pending work
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_engine()
+
+    async def _batch(self, batch: Batch) -> None:
+        run: list[Any] = []
+        for command in batch.commands:
+            if type(command) is not cmd.Wait:
+                run.append(command)
+                continue
+            sig: Signal = command.signal
+            target: int = command.value  # type: ignore[assignment]  # resolved at submit
+            if sig.value >= target or self.device._error is not None:
+                continue
+            if run:
+                self.engine.put(run)
+                run = []
+            self._waiting = True
+            try:
+                await sig._wait_limited(target, self.device.hang_limit, f"{self.name} queue")
+            except HcqaError as exc:
+                self.device._fault(exc)
+            finally:
+                self._waiting = False
+        if run:
+            self.engine.put(run)
+
+    async def _stop_engine(self) -> None:
+        """Let the engine finish (drain) or skip (cancelled) its work, then join it.
+
+        Waits while the queue makes progress; a queue with no progress for the hang
+        limit is declared hung and its thread is left behind (a daemon)."""
+        self.engine.stop()
+        limit = self.device.hang_limit
+        seen = self.signal.value
+        while True:
+            with trio.move_on_after(limit if not math.isinf(limit) else 3600.0):
+                await self.engine.exited.wait(1)
+                self.engine.join()
+                return
+            if self.signal.value == seen:
+                self.device._hung_at_close(self)
+                return
+            seen = self.signal.value
+
+    def statistics(self) -> QueueStatistics:
+        return QueueStatistics(
+            name=self.name,
+            kind=self.kind,
+            submitted=self.value,
+            completed=self.signal.value,
+            pending_batches=self.sent - self.received,
+            capacity=self.capacity,
+            waiting=self._waiting,
+        )

@@ -1,0 +1,141 @@
+"""Engines: one persistent thread per device queue, the queue's "hardware".
+
+Theory of operation
+-------------------
+An engine owns one thread that takes *runs* of commands (lists, in queue
+order) from a ``SimpleQueue`` and executes them one by one, dispatching on the
+command's type through a table: the device supplies the handlers for the work
+(``Exec``, ``Copy``, ``Load``); the engine itself handles the bookkeeping
+(``Signal``, ``Timestamp``, ``MemoryBarrier``, ``Step``). Kernels and copies
+release the GIL (numpy, ctypes), so an engine computes while the event loop
+routes.
+
+Completion is reported only through signals: a ``Signal`` command writes the
+slot and the eventfd; a ``Step`` advances the device timeline. The engine never
+calls into trio.
+
+Faults: when a handler raises, the engine asks the device to fault (which
+breaks the device's signals with one :class:`~hcqa.errors.DeviceFault`) and
+from then on executes nothing: every later ``Signal`` it is handed breaks its
+signal with the device's error instead of setting it, so nobody waits for work
+that will never run. Cancellation (closing a device by an exception) works the
+same way, through a flag checked between commands: a running kernel can't be
+interrupted, it finishes first.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hcqa import commands as cmd
+from hcqa.signals import Signal
+
+__all__ = ["Engine"]
+
+Handler = Callable[[Any], None]
+
+
+class Engine:
+    """A thread that executes runs of commands for one queue.
+
+    ``error_of()`` returns the device's sticky error (or None); ``on_fault(command,
+    exc)`` is called in the engine thread when a handler raises.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handlers: dict[type, Handler],
+        *,
+        error_of: Callable[[], BaseException | None],
+        on_fault: Callable[[Any, BaseException], None],
+    ) -> None:
+        self.name = name
+        self._inbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._table: dict[type, Handler] = {
+            cmd.Signal: self._signal,
+            cmd.Timestamp: self._timestamp,
+            cmd.MemoryBarrier: self._barrier,
+            cmd.Step: self._step,
+            **handlers,
+        }
+        self._error_of = error_of
+        self._on_fault = on_fault
+        self.exited = Signal(name=f"{name} engine exit")
+        self.executed = 0
+        self._thread = threading.Thread(target=self._main, name=f"hcqa {name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, run: list[Any]) -> None:
+        """Queue a run of commands (called from the actor's task)."""
+        self._inbox.put(run)
+
+    def stop(self) -> None:
+        """Ask the thread to exit once it has handled everything queued before."""
+        self._inbox.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Join the thread; True when it has exited."""
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread ----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        inbox, table = self._inbox, self._table
+        try:
+            while (run := inbox.get()) is not None:
+                for command in run:
+                    error = self._error_of()
+                    if error is not None:
+                        self._skip(command, error)
+                        continue
+                    handler = table.get(type(command))
+                    try:
+                        if handler is None:
+                            raise TypeError(
+                                f"engine {self.name!r} has no handler for "
+                                f"{type(command).__name__} commands"
+                            )
+                        handler(command)
+                    except BaseException as exc:
+                        self._on_fault(command, exc)
+                        self._skip(command, self._error_of())
+                    self.executed += 1
+        finally:
+            self.exited._set_from_engine(1)
+
+    @staticmethod
+    def _skip(command: Any, error: BaseException | None) -> None:
+        if error is not None and type(command) is cmd.Signal:
+            command.signal._break(error)
+
+    # -- bookkeeping handlers --------------------------------------------------------------
+
+    @staticmethod
+    def _signal(c: Any) -> None:
+        c.signal._set_from_engine(c.value)
+
+    @staticmethod
+    def _timestamp(c: Any) -> None:
+        c.signal.write_timestamp(time.monotonic_ns())
+
+    @staticmethod
+    def _barrier(c: Any) -> None:
+        pass  # host memory: a Python thread's stores are visible once it moves on
+
+    @staticmethod
+    def _step(c: Any) -> None:
+        c.timeline.complete(c.seq)

@@ -1,0 +1,127 @@
+"""The commands a queue carries, as frozen attrs classes.
+
+Theory of operation
+-------------------
+A command is plain data. The :class:`~hcqa.queue.Queue` builder validates it
+and appends it to a batch; ``submit`` resolves every symbolic int (a
+:class:`~hcqa.variables.Variable` or an expression) against ``var_vals`` and
+sends the batch, as one message, to the queue's actor.
+
+The actor handles :class:`Wait` itself (it awaits the signal, so a waiting
+queue costs no CPU); everything else goes, in order, to the queue's engine
+thread, which dispatches on the command's type through a table. The last
+commands of every submitted batch are the internal :class:`Step` markers that
+advance the queue's own signal and the device timeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import attrs
+
+from hcqa.signals import Signal as _Signal
+from hcqa.variables import IntLike
+
+if TYPE_CHECKING:
+    from hcqa.devices.buffer import Buffer
+    from hcqa.devices.program import Program
+
+__all__ = [
+    "Command",
+    "Copy",
+    "Exec",
+    "HostMemoryRef",
+    "Load",
+    "MemoryBarrier",
+    "Signal",
+    "Step",
+    "Timestamp",
+    "Wait",
+]
+
+Size3 = tuple[IntLike, IntLike, IntLike]
+
+
+@attrs.frozen(kw_only=True)
+class Wait:
+    """Hold the queue until ``signal.value >= value``."""
+
+    signal: _Signal
+    value: IntLike
+
+
+@attrs.frozen(kw_only=True)
+class Signal:
+    """Set ``signal`` to ``value`` once every earlier command of the queue is done."""
+
+    signal: _Signal
+    value: IntLike
+
+
+@attrs.frozen(kw_only=True)
+class Timestamp:
+    """Write the engine's clock (ns, ``time.monotonic_ns``) into ``signal``'s timestamp slot."""
+
+    signal: _Signal
+
+
+@attrs.frozen(kw_only=True)
+class MemoryBarrier:
+    """Make earlier writes visible to later commands (a no-op for host memory)."""
+
+
+@attrs.frozen(kw_only=True)
+class Exec:
+    """Run ``program`` over ``buffers`` with int ``vals``."""
+
+    program: Program
+    buffers: tuple[Buffer, ...]
+    vals: tuple[IntLike, ...] = ()
+    global_size: Size3 = (1, 1, 1)
+    local_size: Size3 = (1, 1, 1)
+
+
+@attrs.frozen(kw_only=True)
+class HostMemoryRef:
+    """Host memory outside any device (a numpy array or bytes given to copyin/copyout).
+
+    ``keep`` holds the host object alive until the copy is done.
+    """
+
+    va_addr: int
+    nbytes: int
+    keep: Any = attrs.field(repr=False)
+
+
+CopyEnd: TypeAlias = "Buffer | HostMemoryRef"
+
+
+@attrs.frozen(kw_only=True)
+class Copy:
+    """Copy ``nbytes`` from ``src`` to ``dest`` (buffers or host memory)."""
+
+    dest: CopyEnd
+    src: CopyEnd
+    nbytes: IntLike
+
+
+@attrs.frozen(kw_only=True)
+class Load:
+    """Read ``nbytes`` of the file ``path`` from ``offset`` into ``dest`` (copy_from_disk)."""
+
+    dest: Buffer
+    path: str
+    offset: IntLike
+    nbytes: IntLike
+
+
+@attrs.frozen(kw_only=True)
+class Step:
+    """Internal: everything before it completes step ``seq`` of a device timeline."""
+
+    timeline: Any
+    seq: int
+
+
+Command: TypeAlias = Wait | Signal | Timestamp | MemoryBarrier | Exec | Copy | Load | Step

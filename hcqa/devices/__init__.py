@@ -1,0 +1,18 @@
+"""Devices: the Device base, memory, programs, the cpu device, opening and transfers."""
+
+from hcqa.devices.base import Device, DeviceStatistics
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.cpu import CpuDevice
+from hcqa.devices.opening import open_device, open_devices, transfer
+from hcqa.devices.program import Program
+
+__all__ = [
+    "Buffer",
+    "CpuDevice",
+    "Device",
+    "DeviceStatistics",
+    "Program",
+    "open_device",
+    "open_devices",
+    "transfer",
+]

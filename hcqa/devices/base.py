@@ -1,0 +1,425 @@
+"""The Device: queues, timeline, memory and programs, and the path of one enqueue.
+
+Theory of operation
+-------------------
+A device owns two :class:`~hcqa.actors.QueueActor` s (``compute`` and
+``copy``), each with its engine thread, one :class:`~hcqa.devices.timeline.Timeline`,
+an allocator and its programs. Everything a user calls -- ``prog(...)``,
+``buf.copyin``, ``hcqa.transfer``, ``Queue.submit`` -- ends in :meth:`Device._submit`,
+which runs on the caller's task and never blocks:
+
+1. check the device is open and not faulted (a fault is sticky and re-raised);
+2. add a ``Wait`` for each buffer hazard on another queue (see ``buffer.py``);
+3. append ``Signal(queue signal, v)`` and ``Step(timeline, seq)``;
+4. ``send_nowait`` the batch to the queue's channel, record the hazards, and
+   return the timeline's ``Fence`` for ``seq``.
+
+Errors are sticky: the first fault (a kernel or copy raising in an engine, or a
+Wait that broke) is stored in ``_error`` and breaks the device's signals with
+that instance; later enqueues raise it, later waits raise it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa import commands as cmd
+from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
+from hcqa.devices.buffer import Buffer, typed_size
+from hcqa.devices.memory import AllocatorStatistics, CachingAllocator
+from hcqa.devices.program import Program
+from hcqa.devices.timeline import Timeline
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, QueueFull
+from hcqa.signals import Fence, Signal
+
+__all__ = ["Device", "DeviceStatistics"]
+
+
+@attrs.frozen(kw_only=True)
+class DeviceStatistics:
+    """What :meth:`Device.statistics` reports."""
+
+    name: str
+    timeline_value: int
+    timeline_reserved: int
+    queues: tuple[QueueStatistics, ...]
+    memory: AllocatorStatistics
+    faulted: bool
+    hung: bool
+    closed: bool
+
+
+class Device:
+    """Base class of the devices (``cpu:N``, ``cuda:N``)."""
+
+    kind: ClassVar[str] = "?"
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        hang_limit: float,
+        host_visible: bool,
+        queue_depth: int,
+        memory: int,
+        timeline_start: int = 0,
+    ) -> None:
+        self.name = name
+        self.hang_limit = hang_limit
+        self.host_visible = host_visible
+        self.allocator = CachingAllocator(capacity=memory, name=name)
+        self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._closed = False
+        self._closing = False
+        self._cancelled = False
+        self._hung = False
+        self._started = False
+        self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
+        self.copy = QueueActor(self, "copy", self._engine("copy"), capacity=queue_depth)
+        self._queues = {"compute": self.compute, "copy": self.copy}
+
+    # -- what subclasses provide ---------------------------------------------------------
+
+    def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
+        raise NotImplementedError
+
+    def _make_program(self, name: str, src: Any, **options: Any) -> Program:
+        raise NotImplementedError
+
+    # -- public surface --------------------------------------------------------------------
+
+    @property
+    def timeline(self) -> Signal:
+        """The timeline signal of the current epoch (see ``timeline.py``)."""
+        return self._timeline.signal
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._closing
+
+    @property
+    def faulted(self) -> BaseException | None:
+        """The sticky error, if the device faulted or hung."""
+        return self._error
+
+    def alloc(
+        self,
+        nbytes: int | None = None,
+        *,
+        shape: tuple[int, ...] | int | None = None,
+        dtype: npt.DTypeLike | None = None,
+    ) -> Buffer:
+        """Allocate ``nbytes`` raw bytes, or a typed buffer of ``shape`` and ``dtype``."""
+        self._check_usable()
+        if isinstance(shape, bool):
+            raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
+        if isinstance(shape, int):
+            shape = (shape,)
+        n, dt, shp = typed_size(nbytes, dtype, shape)
+        mem = self.allocator.alloc(n)
+        return Buffer(self, mem, n, dtype=dt, shape=shp)
+
+    def program(
+        self,
+        name: str,
+        src: Any,
+        *,
+        entry: str | None = None,
+        writes: Sequence[int] | None = None,
+        reads: Sequence[int] | None = None,
+    ) -> Program:
+        """A program from a Python callable or C source (``entry`` names the function)."""
+        self._check_usable()
+        if not isinstance(name, str) or not name:
+            raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
+        return self._make_program(name, src, entry=entry, writes=writes, reads=reads)
+
+    def compute_queue(self) -> Any:
+        from hcqa.queue import Queue
+
+        return Queue(self, "compute")
+
+    def copy_queue(self) -> Any:
+        from hcqa.queue import Queue
+
+        return Queue(self, "copy")
+
+    async def synchronize(self) -> None:
+        """Wait until everything enqueued so far is done; raise the device's error if any."""
+        if self._error is not None:
+            await trio.lowlevel.checkpoint()
+            self._raise_error()
+        await self._timeline.fence(self._timeline.reserved).wait()
+        if self._error is not None:
+            self._raise_error()
+
+    def statistics(self) -> DeviceStatistics:
+        return DeviceStatistics(
+            name=self.name,
+            timeline_value=self.timeline.value,
+            timeline_reserved=self._timeline.reserved,
+            queues=(self.compute.statistics(), self.copy.statistics()),
+            memory=self.allocator.statistics(),
+            faulted=self._error is not None,
+            hung=self._hung,
+            closed=self.closed,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("faulted" if self._error else "open")
+        return f"<{type(self).__name__} {self.name} {state}>"
+
+    # -- errors ------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed or self._closing:
+            raise DeviceClosed(f"{self.name} is closed")
+        if self._error is not None:
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        err = self._error
+        assert err is not None
+        if isinstance(err, HcqaError):
+            err.observed = True
+        raise err
+
+    def _fault(self, exc: BaseException) -> None:
+        """Make ``exc`` the device's sticky error and break its signals with it (any thread)."""
+        with self._error_lock:
+            if self._error is not None:
+                return
+            self._error = exc
+        for s in (*self._timeline.signals, self.compute.signal, self.copy.signal):
+            s._break(exc)
+
+    def _on_engine_fault(self, kind: str, command: Any, exc: BaseException) -> None:
+        what = _describe(command)
+        fault = DeviceFault(
+            f"{self.name}: {what} failed on the {kind} queue: {type(exc).__name__}: {exc}",
+            device=self.name,
+            queue=kind,
+        )
+        fault.__cause__ = exc
+        self._fault(fault)
+
+    def _hang(self, exc: BaseException) -> None:
+        """A SignalTimeout reached a caller: the device is hung."""
+        self._hung = True
+        self._fault(exc)
+
+    def _hung_at_close(self, actor: QueueActor) -> None:
+        self._hung = True
+
+    def _engine(self, kind: str) -> Engine:
+        return Engine(
+            f"{self.name} {kind}",
+            self._handlers(kind),
+            error_of=lambda: self._error if self._error is not None else self._cancel_error(),
+            on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
+        )
+
+    def _cancel_error(self) -> BaseException | None:
+        if not self._cancelled:
+            return None
+        return DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
+
+    # -- the path of one enqueue ------------------------------------------------------------
+
+    def _submit(
+        self,
+        actor: QueueActor,
+        commands: list[Any],
+        *,
+        reads: Sequence[Buffer] = (),
+        writes: Sequence[Buffer] = (),
+        also: Sequence[Device] = (),
+    ) -> Fence:
+        """Send one batch to ``actor``; the Fence of this device's timeline step."""
+        self._check_usable()
+        for other in also:
+            other._check_usable()
+        if actor.full:
+            raise QueueFull(
+                f"{actor.name} queue is full ({actor.capacity} batches pending): "
+                "await submit_async() / the fences to apply backpressure"
+            )
+        batch: list[Any] = []
+        for b in reads:
+            w = b._hazards.write
+            if w is not None and w[0] is not actor and w[0].signal.value < w[1]:
+                batch.append(cmd.Wait(signal=w[0].signal, value=w[1]))
+        for b in writes:
+            hz = b._hazards
+            w = hz.write
+            if w is not None and w[0] is not actor and w[0].signal.value < w[1]:
+                batch.append(cmd.Wait(signal=w[0].signal, value=w[1]))
+            for q, v in hz.reads.items():
+                if q is not actor and q.signal.value < v:
+                    batch.append(cmd.Wait(signal=q.signal, value=v))
+        batch.extend(commands)
+        actor.value += 1
+        value = actor.value
+        seq = self._timeline.reserve()
+        batch.append(cmd.Signal(signal=actor.signal, value=value))
+        batch.append(cmd.Step(timeline=self._timeline, seq=seq))
+        for other in also:
+            batch.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve()))
+        actor.send_nowait(Batch(batch))
+        for b in reads:
+            b._hazards.reads[actor] = value
+        for b in writes:
+            hz = b._hazards
+            hz.write = (actor, value)
+            hz.reads.clear()
+        return self._timeline.fence(seq)
+
+    def _enqueue_exec(
+        self, exec_: cmd.Exec, *, timed: tuple[Signal, Signal] | None = None
+    ) -> Fence:
+        from hcqa.graph import current_capture
+
+        for v in exec_.vals:
+            if not isinstance(v, int):
+                graph = current_capture()
+                if graph is None:
+                    raise InvalidCommand(
+                        f"{exec_.program.name!r}: variable {v} is unbound outside a capture "
+                        "(pass ints, or use a Queue with var_vals / hcqa.capture())"
+                    )
+        graph = current_capture()
+        if graph is not None:
+            fence: Fence = graph._record_exec(exec_)
+            return fence
+        writes, reads = exec_.program.access(len(exec_.buffers))
+        commands: list[Any] = [exec_]
+        if timed is not None:
+            commands = [cmd.Timestamp(signal=timed[0]), exec_, cmd.Timestamp(signal=timed[1])]
+        return self._submit(
+            self.compute,
+            commands,
+            reads=[exec_.buffers[i] for i in reads],
+            writes=[exec_.buffers[i] for i in writes],
+        )
+
+    # -- host copies ------------------------------------------------------------------------
+
+    def _copyin(self, buf: Buffer, src: Any) -> Fence:
+        buf._check()
+        host = _host_ref(src, buf, writable=False)
+        command = cmd.Copy(dest=buf, src=host, nbytes=buf.nbytes)
+        return self._submit(self.copy, [command], writes=[buf])
+
+    def _copyout(self, buf: Buffer, dest: Any) -> Fence:
+        buf._check()
+        host = _host_ref(dest, buf, writable=True)
+        command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
+        return self._submit(self.copy, [command], reads=[buf])
+
+    def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
+        import os
+
+        from hcqa.devices.buffer import check_size
+
+        buf._check()
+        offset = check_size("offset", offset)
+        n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
+        if n > buf.nbytes:
+            raise InvalidCommand(f"'nbytes' must be <= the buffer's {buf.nbytes} bytes (got {n})")
+        try:
+            size = os.stat(path).st_size
+        except OSError as exc:
+            raise InvalidCommand(f"load: cannot read {path!r}: {exc.strerror}") from exc
+        if offset + n > size:
+            raise InvalidCommand(
+                f"load: {path!r} must hold offset + nbytes = {offset + n} bytes (got {size})"
+            )
+        command = cmd.Load(dest=buf, path=path, offset=offset, nbytes=n)
+        return self._submit(self.copy, [command], writes=[buf])
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self.compute.run)
+        await nursery.start(self.copy.run)
+        self._started = True
+
+    def _cancel(self) -> None:
+        """Abandon pending work: engines skip what they have not started."""
+        self._cancelled = True
+
+    async def _close_input(self) -> None:
+        self._closing = True
+        for actor in self._queues.values():
+            await actor.close_input()
+
+    def _release(self) -> None:
+        """Close signals and memory once the actors are done (threads joined)."""
+        self._closing = True
+        self._closed = True
+        hung = self._hung or any(a.engine.alive for a in self._queues.values())
+        if hung:
+            self._hung = True
+            return  # a stuck engine may still write our memory and signals: leave them
+        self._timeline.close()
+        for actor in self._queues.values():
+            actor.signal.close()
+            actor.engine.exited.close()
+        self.allocator.close()
+
+
+def _describe(command: Any) -> str:
+    if isinstance(command, cmd.Exec):
+        return f"program {command.program.name!r}"
+    if isinstance(command, cmd.Copy):
+        return f"copy of {command.nbytes} bytes"
+    if isinstance(command, cmd.Load):
+        return f"load of {command.path!r}"
+    return type(command).__name__
+
+
+def _host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
+    """Check a host array for copyin (writable=False) / copyout (writable=True)."""
+    what = "copyout" if writable else "copyin"
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        if buf.dtype is not None and arr.dtype != buf.dtype:
+            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype})")
+        if writable:
+            if not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise InvalidCommand(
+                    f"{what}: the array must be writable and C-contiguous "
+                    f"(got contiguous={arr.flags.c_contiguous}, writable={arr.flags.writeable})"
+                )
+        elif not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        if writable and (isinstance(obj, bytes) or (isinstance(obj, memoryview) and obj.readonly)):
+            raise InvalidCommand(
+                f"{what}: the destination must be writable (got {type(obj).__name__})"
+            )
+        try:
+            arr = np.frombuffer(obj, dtype=np.uint8)
+        except (ValueError, BufferError) as exc:
+            raise InvalidCommand(f"{what}: need a contiguous buffer ({exc})") from exc
+    else:
+        raise TypeError(
+            f"{what} needs a numpy array, bytes, bytearray or memoryview (got {type(obj).__name__})"
+        )
+    if arr.nbytes != buf.nbytes:
+        raise InvalidCommand(
+            f"{what}: host data must be {buf.nbytes} bytes, the buffer's size "
+            f"(got {arr.nbytes}; use buf.view() for part of a buffer)"
+        )
+    return cmd.HostMemoryRef(
+        va_addr=arr.__array_interface__["data"][0], nbytes=arr.nbytes, keep=(obj, arr)
+    )

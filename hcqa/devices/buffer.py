@@ -1,0 +1,240 @@
+"""Device buffers: memory, views, and the hazards that order work touching them.
+
+Theory of operation
+-------------------
+A :class:`Buffer` is a range of a device allocation: ``base`` is the buffer
+that owns the allocation (``None`` for the owner itself), ``offset`` and
+``nbytes`` say where the range lies, ``va_addr`` is its address. A view shares
+its base's memory and its base's :class:`Hazards`: two views of one buffer are
+treated as overlapping (conservative, never wrong).
+
+Hazards make eager work safe across queues. Every submitted command that
+touches a buffer records, on the buffer's hazards, the queue and the value its
+queue signal will reach when the command is done: the last write, and the
+reads since that write. A later command on *another* queue waits (a ``Wait``
+on that queue's signal) for what it conflicts with: a read waits for the last
+write; a write waits for the last write and every read. Work on one queue needs
+no waits: the queue keeps its order. Waits already satisfied are dropped.
+
+Host copies (``copyin`` / ``copyout`` / ``load``) go through the device's copy
+queue and return a :class:`~hcqa.signals.Fence`; ``await`` it, or don't. The
+host array is referenced by the queued command until the copy is done.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hcqa.errors import DeviceClosed, InvalidCommand
+from hcqa.signals import Fence
+
+if TYPE_CHECKING:
+    from hcqa.actors.actor import QueueActor
+    from hcqa.devices.base import Device
+    from hcqa.devices.memory import HostMemory
+
+__all__ = ["Buffer", "Hazards", "check_size"]
+
+
+def check_size(name: str, value: object, *, minimum: int = 0) -> int:
+    """``value`` as an int >= minimum, with the house error messages."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+    if value < minimum:
+        raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
+    return int(value)
+
+
+class Hazards:
+    """The last write and the reads since, per queue, of one allocation."""
+
+    __slots__ = ("reads", "write")
+
+    def __init__(self) -> None:
+        self.write: tuple[QueueActor, int] | None = None
+        self.reads: dict[QueueActor, int] = {}
+
+    def pending(self) -> bool:
+        """True while some recorded use has not completed."""
+        if self.write is not None and self.write[0].signal.value < self.write[1]:
+            return True
+        return any(q.signal.value < v for q, v in self.reads.items())
+
+
+def _free(device: Device, mem: HostMemory) -> None:
+    if not device._closed:
+        device.allocator.free(mem)
+
+
+class Buffer:
+    """Device memory: raw bytes (``dtype=None``) or a typed array of ``shape``."""
+
+    def __init__(
+        self,
+        device: Device,
+        mem: HostMemory,
+        nbytes: int,
+        *,
+        dtype: np.dtype[Any] | None = None,
+        shape: tuple[int, ...] | None = None,
+        offset: int = 0,
+        base: Buffer | None = None,
+    ) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.base = base
+        self._mem = mem
+        self.va_addr = mem.address + offset
+        self._hazards: Hazards = base._hazards if base is not None else Hazards()
+        owner = base if base is not None else self
+        self._owner = owner
+        self._freed = False
+        self._array: npt.NDArray[Any] | None = None
+        if base is None:
+            self._finalizer = weakref.finalize(self, _free, device, mem)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def view(
+        self,
+        offset: int,
+        nbytes: int,
+        *,
+        dtype: npt.DTypeLike | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> Buffer:
+        """A buffer over ``[offset, offset + nbytes)`` of this one, sharing its memory."""
+        offset = check_size("offset", offset)
+        nbytes = check_size("nbytes", nbytes, minimum=1)
+        if offset + nbytes > self.nbytes:
+            raise InvalidCommand(
+                f"view [{offset}, {offset + nbytes}) must lie within the buffer's "
+                f"{self.nbytes} bytes (got an end of {offset + nbytes})"
+            )
+        dt, shp = _typed(nbytes, dtype, shape)
+        return Buffer(
+            self.device,
+            self._mem,
+            nbytes,
+            dtype=dt,
+            shape=shp,
+            offset=self.offset + offset,
+            base=self._owner,
+        )
+
+    def numpy_view(self) -> npt.NDArray[Any]:
+        """The buffer's memory as a numpy array (what Python programs receive).
+
+        Only for host-visible devices; reading it while work is queued races that work."""
+        if not self.device.host_visible:
+            raise InvalidCommand(
+                f"{self.device.name} is not host-visible: use copyout() to read its buffers"
+            )
+        return self._kernel_array()
+
+    def _kernel_array(self) -> npt.NDArray[Any]:
+        arr = self._array
+        if arr is None:
+            start = self.offset
+            raw = self._mem.view()[start : start + self.nbytes]
+            arr = raw if self.dtype is None else raw.view(self.dtype)
+            if self.shape is not None:
+                arr = arr.reshape(self.shape)
+            self._array = arr
+        return arr
+
+    # -- host copies and files -----------------------------------------------------------
+
+    def copyin(self, src: Any) -> Fence:
+        """Copy a host array (or bytes) of exactly ``nbytes`` into the buffer."""
+        return self.device._copyin(self, src)
+
+    def copyout(self, dest: Any) -> Fence:
+        """Copy the buffer into a writable, C-contiguous host array of exactly ``nbytes``."""
+        return self.device._copyout(self, dest)
+
+    def load(
+        self, path: str | os.PathLike[str], *, offset: int = 0, nbytes: int | None = None
+    ) -> Fence:
+        """Read ``nbytes`` (default: the buffer size) of a file from ``offset`` into it."""
+        return self.device._load(self, os.fspath(path), offset, nbytes)
+
+    def free(self) -> None:
+        """Give the memory back now (only the owning buffer, only when no work uses it)."""
+        if self.base is not None:
+            raise InvalidCommand("free() must be called on the owning buffer, not a view")
+        if self._hazards.pending():
+            raise InvalidCommand(
+                f"buffer of {self.nbytes} bytes on {self.device.name} is still used by "
+                "queued work: await its fence before free()"
+            )
+        self._freed = True
+        self._finalizer()
+
+    def _check(self) -> None:
+        if self.device._closed or self.device._closing:
+            raise DeviceClosed(f"{self.device.name} is closed")
+        if self._owner._freed:
+            raise InvalidCommand(f"buffer of {self.nbytes} bytes on {self.device.name} was freed")
+
+    def __repr__(self) -> str:
+        typed = f" {self.dtype}{list(self.shape or ())}" if self.dtype is not None else ""
+        view = f" view+{self.offset}" if self.base is not None else ""
+        return f"<Buffer {self.device.name} {self.nbytes} bytes{typed}{view}>"
+
+
+def _typed(
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | None
+) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
+    """Check ``dtype`` / ``shape`` against ``nbytes``; the dtype and shape to keep."""
+    if dtype is None:
+        if shape is not None:
+            raise InvalidCommand("'shape' needs a 'dtype' (got shape without dtype)")
+        return None, None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"'dtype' must be a numpy dtype (got {dtype!r})") from exc
+    if dt.itemsize == 0 or dt.hasobject:
+        raise InvalidCommand(f"'dtype' must be a fixed-size, non-object dtype (got {dt})")
+    if shape is None:
+        if nbytes is None or nbytes % dt.itemsize:
+            raise InvalidCommand(
+                f"'nbytes' must be a multiple of {dt} itemsize {dt.itemsize} (got {nbytes})"
+            )
+        return dt, (nbytes // dt.itemsize,)
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
+    ):
+        raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
+    need = math.prod(shape) * dt.itemsize
+    if nbytes is not None and nbytes != need:
+        raise InvalidCommand(
+            f"'nbytes' must equal shape {shape} x {dt} = {need} bytes (got {nbytes})"
+        )
+    return dt, shape
+
+
+def typed_size(
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | None
+) -> tuple[int, np.dtype[Any] | None, tuple[int, ...] | None]:
+    """Resolve ``alloc``'s arguments into (nbytes, dtype, shape)."""
+    if nbytes is not None:
+        nbytes = check_size("nbytes", nbytes, minimum=1)
+    dt, shp = _typed(nbytes, dtype, shape)
+    if nbytes is None:
+        if dt is None or shp is None:
+            raise InvalidCommand("alloc() needs 'nbytes' or 'shape' and 'dtype' (got neither)")
+        nbytes = math.prod(shp) * dt.itemsize
+    return nbytes, dt, shp

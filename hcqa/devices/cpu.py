@@ -1,0 +1,130 @@
+"""The ``cpu:N`` device: host memory, and kernels that really compute.
+
+Theory of operation
+-------------------
+A cpu device's "hardware" is its two engine threads. The compute engine runs
+programs: a Python callable gets numpy views of its buffers and the int vals;
+a C kernel (compiled once by the system compiler, see ``compiler.py``) gets
+the buffers' addresses and the int vals through ctypes. Both release the GIL
+for the heavy part (numpy, ctypes), so two cpu devices compute in parallel and
+the event loop keeps running.
+
+The copy engine moves bytes with ``ctypes.memmove`` (GIL released) and reads
+files with ``os.preadv`` straight into device memory. With
+``host_visible=False`` the device pretends the host cannot address its memory,
+as a discrete GPU's: host copies and file loads then go through the staging
+ring (32 x 2 MiB) in chunks, exactly the path a real device takes, while
+device-to-device copies stay direct.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+from typing import Any
+
+from hcqa import commands as cmd
+from hcqa.devices.base import Device
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.compiler import compile_c
+from hcqa.devices.memory import StagingRing
+from hcqa.devices.program import Program
+from hcqa.errors import InvalidCommand
+
+__all__ = ["CpuDevice"]
+
+_memmove = ctypes.memmove
+
+
+def _bytes_at(addr: int, n: int) -> memoryview:
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+
+class CpuDevice(Device):
+    """A device whose memory is host memory and whose engines are threads."""
+
+    kind = "cpu"
+
+    def __init__(self, name: str, **options: Any) -> None:
+        self.staging = StagingRing(name=name)
+        super().__init__(name, **options)
+
+    def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
+        if kind == "compute":
+            return {cmd.Exec: self._exec, cmd.Copy: self._copy}
+        return {cmd.Copy: self._copy, cmd.Load: self._load_file}
+
+    def _make_program(
+        self,
+        name: str,
+        src: Any,
+        **options: Any,
+    ) -> Program:
+        entry, writes, reads = options["entry"], options["writes"], options["reads"]
+        if callable(src):
+            if entry is not None:
+                raise InvalidCommand("'entry' is for C source only (got a Python callable)")
+            return Program(self, name, fn=src, writes=writes, reads=reads)
+        if isinstance(src, str):
+            kernel = compile_c(src, entry if entry is not None else name)
+            return Program(self, name, kernel=kernel, writes=writes, reads=reads)
+        raise TypeError(
+            f"program source must be a Python callable or C source str (got {type(src).__name__})"
+        )
+
+    # -- engine handlers (run in engine threads) ------------------------------------------
+
+    @staticmethod
+    def _exec(c: Any) -> None:
+        prog: Program = c.program
+        if prog.kernel is not None:
+            prog.kernel.fn(*[b.va_addr for b in c.buffers], *c.vals)
+        else:
+            assert prog.fn is not None
+            prog.fn(*[b._kernel_array() for b in c.buffers], *c.vals)
+
+    def _staged(self, end: Any) -> bool:
+        return not self.host_visible and isinstance(end, cmd.HostMemoryRef)
+
+    def _copy(self, c: Any) -> None:
+        n = c.nbytes
+        if not (self._staged(c.src) or self._staged(c.dest)):
+            _memmove(c.dest.va_addr, c.src.va_addr, n)
+            return
+        ring = self.staging
+        for offset, size in ring.split(n):
+            index, chunk, _ = ring.acquire()
+            _memmove(chunk.address, c.src.va_addr + offset, size)
+            _memmove(c.dest.va_addr + offset, chunk.address, size)
+            ring.release(index, self._timeline.reserved)
+
+    def _load_file(self, c: Any) -> None:
+        dest: Buffer = c.dest
+        fd = os.open(c.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if self.host_visible:
+                _read_exactly(fd, _bytes_at(dest.va_addr, c.nbytes), c.offset, c.path)
+                return
+            ring = self.staging
+            for offset, size in ring.split(c.nbytes):
+                index, chunk, _ = ring.acquire()
+                _read_exactly(fd, _bytes_at(chunk.address, size), c.offset + offset, c.path)
+                _memmove(dest.va_addr + offset, chunk.address, size)
+                ring.release(index, self._timeline.reserved)
+        finally:
+            os.close(fd)
+
+    def _release(self) -> None:
+        super()._release()
+        if not self._hung:
+            self.staging.close()
+
+
+def _read_exactly(fd: int, into: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got == 0:
+            raise EOFError(f"{path!r} ended after {offset + done} bytes")
+        done += got

@@ -1,0 +1,347 @@
+"""Host memory blocks, the caching allocator, the kernel-argument bump allocator, the staging ring.
+
+Theory of operation
+-------------------
+Everything here is plain bookkeeping: no trio, no threads, no locks. The device that owns an
+allocator is the one caller, and it serializes its calls (its actor, or its own lock).
+
+:class:`HostMemory` is one anonymous shared mapping (``mmap(-1, size)``, size rounded up to whole
+pages). Its ``address`` is stable for its whole life, so engine threads and C kernels can use it as
+a raw pointer while numpy sees the same bytes through :meth:`HostMemory.view`. Views export the
+mapping's buffer, and Python refuses to unmap a buffer that is exported; so :meth:`HostMemory.close`
+unmaps at once when no view survives, and otherwise only drops the block's own reference: the last
+surviving view then unmaps it when it is collected. Close never raises and no view ever dangles.
+
+:class:`CachingAllocator` keeps freed blocks mapped and hands them out again, as tinygrad's
+``LRUAllocator`` does, because mapping fresh memory is slow. Requests are rounded up to a *size
+class*: a whole number of pages up to 1 MiB, the next power of two above it. ``alloc`` reuses the
+most recently freed block of the class; when live plus cached bytes would pass ``capacity`` it
+unmaps cached blocks, least recently freed first, until the new one fits, and raises
+:class:`OutOfMemory` when even an empty cache would not make room.
+
+:class:`BumpAllocator` hands out kernel-argument space: a pointer that only moves forward and wraps
+to the start of the region, trusting the timeline to have retired what it overwrites.
+
+:class:`StagingRing` is the round-robin ring of host chunks (32 x 2 MiB by default) through which
+copies reach a device whose memory the host can't address. Each chunk remembers the timeline value
+that retires its last use; a writer must wait for that value before filling the chunk again.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import mmap
+import operator
+from typing import SupportsIndex
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from hcqa.errors import InvalidCommand, OutOfMemory
+
+__all__ = [
+    "AllocatorStatistics",
+    "BumpAllocator",
+    "CachingAllocator",
+    "HostMemory",
+    "StagingRing",
+    "StagingStatistics",
+    "size_class",
+]
+
+PAGE_SIZE = mmap.PAGESIZE
+_POW2_ABOVE = 1 << 20
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; TypeError for non-ints (bool included)."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+    result = operator.index(value)
+    if result < minimum:
+        op = f"> {minimum - 1}" if minimum else ">= 0"
+        raise InvalidCommand(f"{name!r} must be {op} (got {result})")
+    return result
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def size_class(nbytes: int) -> int:
+    """The size ``nbytes`` is served at: whole pages up to 1 MiB, a power of two above."""
+    if nbytes <= _POW2_ABOVE:
+        return _round_up(nbytes, PAGE_SIZE)
+    return 1 << (nbytes - 1).bit_length()
+
+
+class HostMemory:
+    """One page-rounded anonymous shared mapping of at least ``nbytes`` bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._nbytes = _check_int("nbytes", nbytes, 1)
+        self._capacity = _round_up(self._nbytes, PAGE_SIZE)
+        self._mm: mmap.mmap | None = mmap.mmap(-1, self._capacity)
+        anchor = ctypes.c_char.from_buffer(self._mm)
+        self._address = ctypes.addressof(anchor)
+        del anchor  # release the buffer export at once, or close() could never unmap
+
+    @property
+    def nbytes(self) -> int:
+        """The size that was asked for; views cover this many bytes."""
+        return self._nbytes
+
+    @property
+    def capacity(self) -> int:
+        """The mapped size (``nbytes`` rounded up to pages, or more for a reused block)."""
+        return self._capacity
+
+    @property
+    def address(self) -> int:
+        """The mapping's first byte, stable until the block is closed."""
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._mm is None
+
+    def _resize(self, nbytes: int) -> None:
+        """Serve a new request from this mapping (the allocator reusing a cached block)."""
+        assert 0 < nbytes <= self._capacity
+        self._nbytes = nbytes
+
+    def view(self, dtype: npt.DTypeLike = "uint8") -> npt.NDArray[np.generic]:
+        """A writable numpy array over the first ``nbytes`` bytes (no copy)."""
+        if self._mm is None:
+            raise InvalidCommand(f"host memory at {self._address:#x} is closed")
+        dt = np.dtype(dtype)
+        if self._nbytes % dt.itemsize:
+            raise InvalidCommand(
+                f"'nbytes' must be a multiple of {dt.itemsize} for dtype {dt} (got {self._nbytes})"
+            )
+        return np.frombuffer(self._mm, dtype=dt, count=self._nbytes // dt.itemsize)
+
+    def close(self) -> None:
+        """Unmap now, or when the last surviving view is collected. Idempotent; never raises."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views still export it; the mmap object unmaps when the last one goes
+
+    def __enter__(self) -> HostMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._mm is None else f"at {self._address:#x}"
+        return f"<HostMemory {self._nbytes} bytes {state}>"
+
+
+@attrs.frozen
+class AllocatorStatistics:
+    capacity: int
+    used: int  # size-class bytes held by live allocations
+    cached: int  # size-class bytes held by freed blocks kept for reuse
+    allocations: int  # live allocations
+    hits: int  # allocations served from the cache
+    misses: int  # allocations that mapped fresh memory
+
+
+class CachingAllocator:
+    """Size-classed host allocator with an LRU cache of freed blocks (see the module docstring)."""
+
+    def __init__(self, *, capacity: int, name: str) -> None:
+        self.capacity = _check_int("capacity", capacity, 1)
+        self.name = name
+        self._live: dict[int, HostMemory] = {}
+        self._lru: collections.OrderedDict[int, HostMemory] = collections.OrderedDict()
+        self._by_class: dict[int, collections.OrderedDict[int, HostMemory]] = {}
+        self._used = 0
+        self._cached = 0
+        self._hits = 0
+        self._misses = 0
+        self._closed = False
+
+    def alloc(self, nbytes: int) -> HostMemory:
+        nbytes = _check_int("nbytes", nbytes, 1)
+        if self._closed:
+            raise InvalidCommand(f"{self.name}: allocator is closed")
+        size = size_class(nbytes)
+        same = self._by_class.get(size)
+        if same:
+            _, block = same.popitem()  # most recently freed first
+            del self._lru[id(block)]
+            self._cached -= size
+            self._hits += 1
+            block._resize(nbytes)
+        else:
+            if self._used + size > self.capacity:
+                rounded = f" ({size} rounded up)" if size != nbytes else ""
+                raise OutOfMemory(
+                    f"{self.name}: out of memory: 'nbytes' {nbytes} requested{rounded},"
+                    f" {self.capacity - self._used} of {self.capacity} bytes free"
+                    f" ({self._cached} cached)"
+                )
+            while self._used + self._cached + size > self.capacity:
+                self._evict_oldest()
+            block = HostMemory(size)
+            block._resize(nbytes)
+            self._misses += 1
+        self._live[id(block)] = block
+        self._used += size
+        return block
+
+    def free(self, block: HostMemory) -> None:
+        """Return ``block`` to the cache; it stays mapped for the next request of its class."""
+        key = id(block)
+        if self._live.get(key) is not block:
+            what = "double free of" if self._lru.get(key) is block else "not allocated here:"
+            raise InvalidCommand(f"{self.name}: {what} {block!r}")
+        del self._live[key]
+        size = block.capacity
+        self._used -= size
+        if self._closed:
+            block.close()
+            return
+        self._by_class.setdefault(size, collections.OrderedDict())[key] = block
+        self._lru[key] = block
+        self._cached += size
+
+    def _evict_oldest(self) -> None:
+        key, block = self._lru.popitem(last=False)
+        same = self._by_class[block.capacity]
+        del same[key]
+        if not same:
+            del self._by_class[block.capacity]
+        self._cached -= block.capacity
+        block.close()
+
+    def free_cache(self) -> None:
+        """Unmap every cached block."""
+        while self._lru:
+            self._evict_oldest()
+
+    def close(self) -> None:
+        """Unmap everything, live blocks included. Idempotent."""
+        self._closed = True
+        self.free_cache()
+        for block in self._live.values():
+            block.close()
+
+    def statistics(self) -> AllocatorStatistics:
+        return AllocatorStatistics(
+            capacity=self.capacity,
+            used=self._used,
+            cached=self._cached,
+            allocations=len(self._live),
+            hits=self._hits,
+            misses=self._misses,
+        )
+
+
+class BumpAllocator:
+    """Forward-only offsets in a region of ``size`` bytes starting at ``base``."""
+
+    def __init__(self, size: int, *, base: int = 0, wrap: bool = True) -> None:
+        self.size = _check_int("size", size, 1)
+        self.base = _check_int("base", base, 0)
+        self.wrap = wrap
+        self.ptr = 0  # next free offset from base
+        self.wraps = 0
+
+    def alloc(self, nbytes: int, alignment: int = 8) -> int:
+        """``base`` + an offset aligned to ``alignment`` (a power of two) with ``nbytes`` free."""
+        nbytes = _check_int("nbytes", nbytes, 0)
+        alignment = _check_int("alignment", alignment, 1)
+        if alignment & (alignment - 1):
+            raise InvalidCommand(f"'alignment' must be a power of two (got {alignment})")
+        if nbytes > self.size:
+            raise InvalidCommand(f"'nbytes' must be <= {self.size} (got {nbytes})")
+        offset = _round_up(self.ptr, alignment)
+        if offset + nbytes > self.size:
+            if not self.wrap:
+                raise OutOfMemory(
+                    f"bump allocator out of memory: 'nbytes' {nbytes} requested,"
+                    f" {max(self.size - offset, 0)} of {self.size} bytes free"
+                )
+            offset = 0
+            self.wraps += 1
+        self.ptr = offset + nbytes
+        return self.base + offset
+
+    def reset(self) -> None:
+        self.ptr = 0
+
+
+@attrs.frozen
+class StagingStatistics:
+    chunks: int
+    chunk_size: int
+    allocated: int  # chunks mapped so far
+    uses: int  # acquire() calls
+    wraps: int  # times the ring came back to chunk 0
+
+
+class StagingRing:
+    """Round-robin ring of host chunks for copies to and from device-only memory."""
+
+    def __init__(self, *, chunks: int = 32, chunk_size: int = 2 << 20, name: str) -> None:
+        self.chunks = _check_int("chunks", chunks, 1)
+        self.chunk_size = _check_int("chunk_size", chunk_size, 1)
+        self.name = name
+        self._blocks: list[HostMemory | None] = [None] * self.chunks
+        self._reuse_after = [0] * self.chunks
+        self._next = 0
+        self._uses = 0
+        self._wraps = 0
+        self._closed = False
+
+    def acquire(self) -> tuple[int, HostMemory, int]:
+        """The next chunk: ``(index, chunk, reuse_after)``; wait for reuse_after, then write."""
+        if self._closed:
+            raise InvalidCommand(f"{self.name}: staging ring is closed")
+        index = self._next
+        self._next = (index + 1) % self.chunks
+        if index == 0 and self._uses:
+            self._wraps += 1
+        self._uses += 1
+        block = self._blocks[index]
+        if block is None:
+            block = self._blocks[index] = HostMemory(self.chunk_size)
+        return index, block, self._reuse_after[index]
+
+    def release(self, index: int, value: int) -> None:
+        """Chunk ``index`` is in use until the timeline reaches ``value``."""
+        index = _check_int("index", index, 0)
+        if index >= self.chunks:
+            raise InvalidCommand(f"'index' must be < {self.chunks} (got {index})")
+        self._reuse_after[index] = _check_int("value", value, 0)
+
+    def split(self, nbytes: int) -> list[tuple[int, int]]:
+        """The ``(offset, size)`` pieces of a transfer of ``nbytes``, ``chunk_size`` at a time."""
+        nbytes = _check_int("nbytes", nbytes, 0)
+        step = self.chunk_size
+        return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+    def close(self) -> None:
+        """Unmap every chunk. Idempotent."""
+        self._closed = True
+        for block in self._blocks:
+            if block is not None:
+                block.close()
+        self._blocks = [None] * self.chunks
+
+    def statistics(self) -> StagingStatistics:
+        return StagingStatistics(
+            chunks=self.chunks,
+            chunk_size=self.chunk_size,
+            allocated=sum(block is not None for block in self._blocks),
+            uses=self._uses,
+            wraps=self._wraps,
+        )

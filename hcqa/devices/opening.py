@@ -1,0 +1,184 @@
+"""Opening devices by name, and cross-device transfers.
+
+Theory of operation
+-------------------
+``open_devices("cpu:0", "cpu:1")`` is an async context manager that owns a
+nursery: every queue actor of every device is a child of it, started with
+``nursery.start``. Leaving the block
+
+* normally: closes each queue's channel, so the actors drain what was queued
+  and end on ``EndOfChannel``; engines finish and are joined; then signals and
+  memory are released, and a fault nobody observed is raised;
+* by an exception: marks the devices cancelled (engines skip what they have
+  not started, breaking its signals), cancels the nursery, joins, releases, and
+  re-raises the body's exception *unwrapped* (trio would wrap it in an
+  ExceptionGroup if it escaped the nursery block, so it is caught inside and
+  raised after).
+
+A device whose wait already timed out at a caller (hung) is cancelled rather
+than drained, and its timeout is not raised again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from hcqa import commands as cmd
+from hcqa.devices.base import Device
+from hcqa.devices.buffer import Buffer
+from hcqa.errors import HcqaError, InvalidCommand
+from hcqa.signals import Fence
+
+__all__ = ["open_device", "open_devices", "transfer"]
+
+_SPEC = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def _default_memory() -> int:
+    try:
+        return max(1 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _make(spec: object, options: dict[str, Any]) -> Device:
+    if not isinstance(spec, str):
+        raise TypeError(f"device spec must be a str like 'cpu:0' (got {type(spec).__name__})")
+    m = _SPEC.match(spec.strip())
+    if m is None:
+        raise InvalidCommand(f"device spec must look like 'cpu:N' or 'cuda:N' (got {spec!r})")
+    kind, index = m.group(1), int(m.group(2) or 0)
+    name = f"{kind}:{index}"
+    if kind == "cuda":
+        try:
+            from hcqa.devices.cuda import CudaDevice  # type: ignore[import-not-found, unused-ignore]
+        except ImportError as exc:
+            raise InvalidCommand(
+                f"{name}: CUDA devices need the cuda extra (pip install 'hcqa[cuda]') "
+                f"and an NVIDIA driver ({exc})"
+            ) from exc
+        return CudaDevice(name, **options)  # type: ignore[no-any-return, unused-ignore]
+    from hcqa.devices.cpu import CpuDevice
+
+    return CpuDevice(name, **options)
+
+
+def _options(
+    hang_limit: float = 30.0,
+    host_visible: bool = True,
+    queue_depth: int = 1024,
+    memory: int | None = None,
+    timeline_start: int = 0,
+) -> dict[str, Any]:
+    if isinstance(hang_limit, bool) or not isinstance(hang_limit, (int, float)):
+        raise TypeError(
+            f"'hang_limit' must be a number of seconds (got {type(hang_limit).__name__})"
+        )
+    if not hang_limit > 0:
+        raise InvalidCommand(f"'hang_limit' must be > 0 (got {hang_limit})")
+    if not isinstance(host_visible, bool):
+        raise TypeError(f"'host_visible' must be a bool (got {type(host_visible).__name__})")
+    for key, value, low in (("queue_depth", queue_depth, 1), ("timeline_start", timeline_start, 0)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key!r} must be an int (got {type(value).__name__})")
+        if value < low:
+            raise InvalidCommand(f"{key!r} must be >= {low} (got {value})")
+    if memory is None:
+        memory = _default_memory()
+    elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+        raise InvalidCommand(f"'memory' must be a positive number of bytes (got {memory!r})")
+    return {
+        "hang_limit": float(hang_limit) if not math.isinf(hang_limit) else math.inf,
+        "host_visible": host_visible,
+        "queue_depth": queue_depth,
+        "memory": memory,
+        "timeline_start": timeline_start,
+    }
+
+
+@asynccontextmanager
+async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Device, ...]]:
+    """Open devices by spec (``"cpu:0"``, ``"cuda:1"``); yields them as a tuple.
+
+    Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
+    ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes).
+    """
+    opts = _options(**options)
+    if not specs:
+        raise InvalidCommand("open_devices() needs at least one device spec (got none)")
+    devices = tuple(_make(s, opts) for s in specs)
+    names = [d.name for d in devices]
+    if len(set(names)) != len(names):
+        raise InvalidCommand(f"each device may be opened once per call (got {names})")
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            for d in devices:
+                await d._start(nursery)
+            try:
+                yield devices
+            except BaseException as exc:
+                error = exc
+            with trio.CancelScope(shield=True):
+                for d in devices:
+                    if error is not None or d._hung:
+                        d._cancel()
+                    await d._close_input()
+            if error is not None:
+                nursery.cancel_scope.cancel()
+    finally:
+        for d in devices:
+            d._release()
+    if error is not None:
+        raise error
+    unseen: list[BaseException] = []
+    for d in devices:
+        err = d._error
+        fresh = isinstance(err, HcqaError) and not err.observed and not d._hung
+        if fresh and err is not None and all(err is not u for u in unseen):
+            err.observed = True  # type: ignore[attr-defined]
+            unseen.append(err)
+    if len(unseen) == 1:
+        raise unseen[0]
+    if unseen:
+        raise ExceptionGroup("several devices faulted and nobody awaited it", unseen)  # type: ignore[type-var]
+
+
+@asynccontextmanager
+async def open_device(spec: str, **options: Any) -> AsyncIterator[Device]:
+    """Open one device; see :func:`open_devices` for the options."""
+    async with open_devices(spec, **options) as (device,):
+        yield device
+
+
+def transfer(dest: Buffer, src: Buffer) -> Fence:
+    """Copy ``src`` into ``dest`` (same size), across devices or within one.
+
+    Runs on the destination's copy queue, after the source's last write and the
+    destination's last uses; ordered on both devices' timelines. Returns the
+    destination timeline's Fence."""
+    from hcqa.graph import current_capture
+
+    for name, b in (("dest", dest), ("src", src)):
+        if not isinstance(b, Buffer):
+            raise TypeError(f"transfer {name!r} must be a hcqa.Buffer (got {type(b).__name__})")
+        b._check()
+    if dest.nbytes != src.nbytes:
+        raise InvalidCommand(
+            f"transfer needs equal sizes: dest has {dest.nbytes} bytes (got src of {src.nbytes})"
+        )
+    graph = current_capture()
+    if graph is not None:
+        fence: Fence = graph._record_transfer(dest, src)
+        return fence
+    device = dest.device
+    also = (src.device,) if src.device is not device else ()
+    command = cmd.Copy(dest=dest, src=src, nbytes=dest.nbytes)
+    return device._submit(device.copy, [command], reads=[src], writes=[dest], also=also)

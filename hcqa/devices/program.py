@@ -1,0 +1,230 @@
+"""Programs: kernels bound to a device, called like functions.
+
+Theory of operation
+-------------------
+``device.program(name, src)`` makes a :class:`Program`. ``src`` is either a
+Python callable, which the engine thread calls with numpy views of the buffers
+followed by the int vals, or C source, compiled once (cached on disk by source
+hash) and called through ctypes with the buffers' addresses followed by the int
+vals -- ctypes releases the GIL for the call.
+
+Calling a program validates everything *on the caller's task* -- buffer types
+and devices, argument counts, value ranges, sizes -- and raises
+:class:`~hcqa.errors.InvalidCommand` or ``TypeError`` before anything is
+queued. Then it enqueues one ``Exec`` on the device's compute queue and returns
+the :class:`~hcqa.signals.Fence` the timeline will reach when it is done.
+
+By default a program writes its first buffer and reads the others; declare
+``writes=`` / ``reads=`` (buffer positions) otherwise. The device uses this to
+order the program against copies and transfers on other queues; the graph
+executor uses it to find dependencies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from hcqa import commands as cmd
+from hcqa.devices.buffer import Buffer
+from hcqa.errors import InvalidCommand
+from hcqa.signals import Fence, Signal
+from hcqa.variables import Expr, IntLike, Variable
+
+if TYPE_CHECKING:
+    from hcqa.devices.base import Device
+    from hcqa.devices.compiler import CKernel
+
+__all__ = ["Program"]
+
+
+def _int_range(ctype: type) -> tuple[int, int]:
+    bits = ctypes.sizeof(ctype) * 8
+    signed = ctype(-1).value == -1
+    return (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+
+
+def _positional_count(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``fn`` takes, or None if it takes any number."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            n += 1
+    return n
+
+
+def _size3(name: str, value: object) -> tuple[IntLike, IntLike, IntLike]:
+    if isinstance(value, (int, Variable, Expr)) and not isinstance(value, bool):
+        value = (value, 1, 1)
+    if not isinstance(value, (tuple, list)) or not 1 <= len(value) <= 3:
+        raise InvalidCommand(f"{name!r} must be a tuple of 1 to 3 ints (got {value!r})")
+    out: list[IntLike] = []
+    for d in value:
+        if isinstance(d, (Variable, Expr)) or (
+            isinstance(d, int) and not isinstance(d, bool) and d > 0
+        ):
+            out.append(d)
+        else:
+            raise InvalidCommand(f"{name!r} must hold positive ints (got {value!r})")
+    while len(out) < 3:
+        out.append(1)
+    return out[0], out[1], out[2]
+
+
+class Program:
+    """A kernel on one device; ``prog(*bufs, vals=())`` enqueues it and returns a Fence."""
+
+    def __init__(
+        self,
+        device: Device,
+        name: str,
+        *,
+        fn: Callable[..., Any] | None = None,
+        kernel: CKernel | None = None,
+        writes: Sequence[int] | None = None,
+        reads: Sequence[int] | None = None,
+    ) -> None:
+        self.device = device
+        self.name = name
+        self.fn = fn
+        self.kernel = kernel
+        self.kind = "c" if kernel is not None else "python"
+        if kernel is not None:
+            self.n_buffers: int | None = kernel.n_buffers
+            self.val_ranges: tuple[tuple[int, int], ...] | None = tuple(
+                _int_range(p.ctype) for p in kernel.params if not p.pointer
+            )
+        else:
+            assert fn is not None
+            self.n_buffers = None
+            self.val_ranges = None
+            self._n_args = _positional_count(fn)
+        self.writes = None if writes is None else self._positions("writes", writes)
+        self.reads = None if reads is None else self._positions("reads", reads)
+
+    def _positions(self, what: str, positions: Sequence[int]) -> tuple[int, ...]:
+        if isinstance(positions, int):
+            positions = (positions,)
+        out = tuple(positions)
+        for p in out:
+            if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+                raise InvalidCommand(f"{what!r} must hold buffer positions >= 0 (got {p!r})")
+            if self.n_buffers is not None and p >= self.n_buffers:
+                raise InvalidCommand(
+                    f"{what!r} must hold positions < {self.n_buffers} for {self.name!r} (got {p})"
+                )
+        return out
+
+    def access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(written, read) buffer positions for a call with ``n`` buffers."""
+        writes = self.writes if self.writes is not None else ((0,) if n else ())
+        if self.reads is not None:
+            reads = self.reads
+        else:
+            reads = tuple(i for i in range(n) if i not in writes)
+        for p in (*writes, *reads):
+            if p >= n:
+                raise InvalidCommand(
+                    f"{self.name!r} declares buffer position {p} but was called with {n} buffers"
+                )
+        return writes, reads
+
+    # -- validation ----------------------------------------------------------------------
+
+    def validate(
+        self,
+        bufs: Sequence[object],
+        vals: Sequence[object],
+        global_size: object,
+        local_size: object,
+    ) -> cmd.Exec:
+        """Check a call's arguments; the Exec command it makes (vals may be symbolic)."""
+        for i, b in enumerate(bufs):
+            if not isinstance(b, Buffer):
+                raise TypeError(
+                    f"{self.name!r} buffer {i} must be a hcqa.Buffer (got {type(b).__name__})"
+                )
+            if b.device is not self.device:
+                raise InvalidCommand(
+                    f"{self.name!r} buffer {i} must be on {self.device.name} "
+                    f"(got a buffer on {b.device.name})"
+                )
+            b._check()
+        if not isinstance(vals, (tuple, list)):
+            raise TypeError(f"'vals' must be a tuple of ints (got {type(vals).__name__})")
+        for i, v in enumerate(vals):
+            if not isinstance(v, (int, Variable, Expr)) or isinstance(v, bool):
+                raise TypeError(f"{self.name!r} val {i} must be an int (got {type(v).__name__})")
+        if self.kernel is not None:
+            if len(bufs) != self.kernel.n_buffers or len(vals) != self.kernel.n_vals:
+                raise InvalidCommand(
+                    f"{self.name!r} takes {self.kernel.n_buffers} buffers and "
+                    f"{self.kernel.n_vals} vals (got {len(bufs)} buffers and {len(vals)} vals)"
+                )
+            self.check_vals(vals)
+        elif self._n_args is not None and len(bufs) + len(vals) != self._n_args:
+            raise InvalidCommand(
+                f"{self.name!r} takes {self._n_args} arguments (buffers then vals) "
+                f"(got {len(bufs)} buffers and {len(vals)} vals)"
+            )
+        return cmd.Exec(
+            program=self,
+            buffers=tuple(bufs),  # type: ignore[arg-type, unused-ignore]
+            vals=tuple(vals),  # type: ignore[arg-type, unused-ignore]
+            global_size=_size3("global_size", global_size),
+            local_size=_size3("local_size", local_size),
+        )
+
+    def check_vals(self, vals: Sequence[object]) -> None:
+        """Range-check concrete vals against the C parameter types."""
+        if self.val_ranges is None:
+            return
+        assert self.kernel is not None
+        params = [p for p in self.kernel.params if not p.pointer]
+        for v, (lo, hi), p in zip(vals, self.val_ranges, params, strict=True):
+            if isinstance(v, int) and not lo <= v <= hi:
+                raise InvalidCommand(
+                    f"{self.name!r} val {p.name!r} must be in [{lo}, {hi}] (got {v})"
+                )
+
+    # -- calling -------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        *bufs: Buffer,
+        vals: Sequence[IntLike] = (),
+        global_size: Sequence[IntLike] | int = (1, 1, 1),
+        local_size: Sequence[IntLike] | int = (1, 1, 1),
+    ) -> Fence:
+        """Enqueue one run of the program; the Fence is reached when it is done."""
+        exec_ = self.validate(bufs, vals, global_size, local_size)
+        return self.device._enqueue_exec(exec_)
+
+    async def timed(
+        self,
+        *bufs: Buffer,
+        vals: Sequence[IntLike] = (),
+        global_size: Sequence[IntLike] | int = (1, 1, 1),
+        local_size: Sequence[IntLike] | int = (1, 1, 1),
+    ) -> float:
+        """Run the program once and return its kernel time in seconds, from the device
+        timestamps written just before and just after it."""
+        exec_ = self.validate(bufs, vals, global_size, local_size)
+        start, end = Signal(name=f"{self.name} start"), Signal(name=f"{self.name} end")
+        try:
+            await self.device._enqueue_exec(exec_, timed=(start, end))
+            return (end._stamp.value - start._stamp.value) / 1e9
+        finally:
+            start.close()
+            end.close()
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name!r} ({self.kind}) on {self.device.name}>"

@@ -1,0 +1,95 @@
+"""The device timeline: one value per enqueue, reached in order, with HCQ's wrap.
+
+Theory of operation
+-------------------
+Every enqueue on a device reserves the next *step* ``seq`` (a Python int that
+only grows) and ends its batch with a ``Step(seq)`` command. Queues of one device
+run in parallel and finish out of order, so the timeline advances over the
+*completed prefix*: the timeline signal shows ``seq`` only once every step up to
+``seq`` is done. ``await fence`` on a step therefore also means "everything the
+device was given before it is done" -- what ``synchronize`` needs -- while the
+cross-queue ordering of individual commands uses the queues' own signals.
+
+The signal value is ``seq`` folded into epochs of ``WRAP`` = 2**31 steps, as
+HCQ does for its 32-bit hardware counters: epoch ``e`` counts 1..WRAP on signal
+``e % 2``; the first step of a new epoch resets the other (shadow) signal to 0
+and continues there. A fence keeps its own signal, so fences of the previous
+epoch stay reached.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from hcqa.signals import Fence, Signal
+
+__all__ = ["WRAP", "Timeline"]
+
+WRAP = 1 << 31
+
+
+def _epoch(seq: int) -> int:
+    return (seq - 1) // WRAP if seq > 0 else 0
+
+
+def _value(seq: int) -> int:
+    return (seq - 1) % WRAP + 1 if seq > 0 else 0
+
+
+class Timeline:
+    """Steps reserved on the caller's task, completed by engine threads."""
+
+    def __init__(self, name: str, *, hang_limit: float, owner: Any, start: int = 0) -> None:
+        self.name = name
+        self.signals = (Signal(name=f"{name} timeline"), Signal(name=f"{name} timeline shadow"))
+        self.reserved = start
+        self.done = start
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self._hang_limit = hang_limit
+        self._owner = owner
+        self._context = f"{name} timeline"
+        if start:
+            self.signals[_epoch(start) % 2].value = _value(start)
+
+    @property
+    def signal(self) -> Signal:
+        """The signal of the current epoch."""
+        return self.signals[_epoch(self.reserved) % 2]
+
+    def reserve(self) -> int:
+        seq = self.reserved + 1
+        if seq > WRAP and _value(seq) == 1:
+            self.signals[_epoch(seq) % 2].value = 0
+        self.reserved = seq
+        return seq
+
+    def fence(self, seq: int) -> Fence:
+        return Fence(
+            self.signals[_epoch(seq) % 2],
+            _value(seq),
+            hang_limit=self._hang_limit,
+            context=self._context,
+            device=self._owner,
+        )
+
+    def complete(self, seq: int) -> None:
+        """Engine threads: step ``seq`` is done."""
+        with self._lock:
+            old = self.done
+            if seq != old + 1:
+                self._pending.add(seq)
+                return
+            new, pending = seq, self._pending
+            while new + 1 in pending:
+                new += 1
+                pending.discard(new)
+            self.done = new
+            if _epoch(old) != _epoch(new) and old > 0:
+                self.signals[_epoch(old) % 2]._set_from_engine(WRAP)
+            self.signals[_epoch(new) % 2]._set_from_engine(_value(new))
+
+    def close(self) -> None:
+        for s in self.signals:
+            s.close()

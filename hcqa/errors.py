@@ -1,0 +1,74 @@
+"""The errors hcqa raises.
+
+Every error is an :class:`HcqaError`. Messages say what was expected and what was
+seen, in the form ``'value' must be >= 5 (got 3)``.
+
+``DeviceFault`` carries one extra piece of state: whether it has been *observed*,
+that is raised to some caller. A fault that nobody saw is raised when its device
+closes; one that was already raised is not raised again (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceClosed",
+    "DeviceFault",
+    "HcqaError",
+    "InvalidCommand",
+    "OutOfMemory",
+    "QueueFull",
+    "SignalTimeout",
+]
+
+
+class HcqaError(Exception):
+    """Base class of every error hcqa raises on purpose.
+
+    ``observed`` turns True once the error has been raised to a caller; a device
+    raises an unobserved fault when it closes, and an observed one never again.
+    """
+
+    observed: bool = False
+
+
+class SignalTimeout(HcqaError):
+    """A wait saw no progress for longer than its limit.
+
+    ``signal`` is the signal's name, ``expected`` the awaited value and ``seen``
+    the value it had when the wait gave up.
+    """
+
+    def __init__(self, message: str, *, signal: str = "", expected: int = 0, seen: int = 0) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.expected = expected
+        self.seen = seen
+
+
+class DeviceFault(HcqaError):
+    """A kernel or a copy failed on a device; the original error is ``__cause__``.
+
+    Sticky: once a device has faulted, every later wait on its timeline raises the
+    same instance.
+    """
+
+    def __init__(self, message: str, *, device: str = "", queue: str = "") -> None:
+        super().__init__(message)
+        self.device = device
+        self.queue = queue
+
+
+class InvalidCommand(HcqaError, ValueError):
+    """Bad arguments, raised at enqueue before anything was queued."""
+
+
+class OutOfMemory(HcqaError, MemoryError):
+    """An allocation does not fit in what the device has left."""
+
+
+class QueueFull(HcqaError):
+    """A synchronous submit found the queue's channel full (use the async submit)."""
+
+
+class DeviceClosed(HcqaError):
+    """The device was closed; nothing more can be queued on it."""

@@ -1,0 +1,253 @@
+"""The HCQ-style ``Queue`` builder: chainable verbs, one message per submit.
+
+Theory of operation
+-------------------
+``dev.compute_queue()`` / ``dev.copy_queue()`` return an empty :class:`Queue`.
+Each verb validates its arguments at once (errors raise here, before anything
+is queued) and appends a frozen command; verbs return the queue, so they chain.
+Any int argument may be a :class:`~hcqa.variables.Variable` or an expression.
+
+A built queue is a program: ``submit(var_vals)`` resolves the symbolic ints
+against ``var_vals`` (range-checked), adds waits for buffer hazards on other
+queues, and sends the whole batch as *one* message to the queue's actor. It
+can be submitted again and again with new values.
+
+Two ways to submit, by what should happen when the queue's channel is full:
+
+* ``q.submit()`` is synchronous and never blocks the event loop: it raises
+  :class:`~hcqa.errors.QueueFull` (nothing queued) when the channel is full;
+* ``await q.submit_async()`` waits for room in the channel (backpressure), then
+  submits.
+
+Both return the :class:`~hcqa.signals.Fence` of the batch on the device timeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from hcqa import commands as cmd
+from hcqa.devices.buffer import Buffer
+from hcqa.errors import InvalidCommand, QueueFull
+from hcqa.signals import Fence, Signal, _check_target
+from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve, variables_of
+
+if TYPE_CHECKING:
+    from typing import Self
+
+    from hcqa.devices.base import Device
+    from hcqa.devices.program import Program
+
+__all__ = ["Queue"]
+
+_SYMBOLIC = (Variable, Expr)
+
+
+def _intlike(name: str, value: object) -> IntLike:
+    if isinstance(value, _SYMBOLIC):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name!r} must be an int or a Variable (got {type(value).__name__})")
+    return value
+
+
+def _resolved(name: str, value: IntLike, var_vals: VarVals | None) -> int:
+    v = resolve(value, var_vals)
+    if not 0 <= v < 2**64:
+        raise InvalidCommand(f"{name!r} must be in [0, 2**64 - 1] (got {v} from {value})")
+    return v
+
+
+class Queue:
+    """A batch of commands for one queue of one device."""
+
+    def __init__(self, device: Device, kind: str) -> None:
+        self.device = device
+        self.kind = kind
+        self._actor = device._queues[kind]
+        self._commands: list[Any] = []
+        self._reads: list[Buffer] = []
+        self._writes: list[Buffer] = []
+        self._symbolic = False
+
+    # -- verbs ---------------------------------------------------------------------------
+
+    def _add(self, command: Any, symbolic: bool = False) -> Self:
+        self.device._check_usable()
+        self._commands.append(command)
+        self._symbolic = self._symbolic or symbolic
+        return self
+
+    def wait(self, signal: Signal, value: IntLike) -> Self:
+        """Hold the queue until ``signal.value >= value``."""
+        _signal_arg(signal)
+        value = _intlike("value", value)
+        if isinstance(value, int):
+            _check_target(value)
+        return self._add(cmd.Wait(signal=signal, value=value), isinstance(value, _SYMBOLIC))
+
+    def signal(self, signal: Signal, value: IntLike) -> Self:
+        """Set ``signal`` to ``value`` when everything before is done."""
+        _signal_arg(signal)
+        value = _intlike("value", value)
+        if isinstance(value, int):
+            _check_target(value)
+        return self._add(cmd.Signal(signal=signal, value=value), isinstance(value, _SYMBOLIC))
+
+    def timestamp(self, signal: Signal) -> Self:
+        """Write the time into ``signal``'s timestamp slot when everything before is done."""
+        _signal_arg(signal)
+        return self._add(cmd.Timestamp(signal=signal))
+
+    def memory_barrier(self) -> Self:
+        return self._add(cmd.MemoryBarrier())
+
+    def exec(
+        self,
+        prog: Program,
+        bufs: tuple[Buffer, ...] | list[Buffer],
+        global_size: Any = (1, 1, 1),
+        local_size: Any = (1, 1, 1),
+        vals: tuple[IntLike, ...] | list[IntLike] = (),
+    ) -> Self:
+        """Run ``prog`` over ``bufs`` (compute queues)."""
+        from hcqa.devices.program import Program
+
+        if self.kind != "compute":
+            raise InvalidCommand(f"exec() needs a compute queue (got a {self.kind} queue)")
+        if not isinstance(prog, Program):
+            raise TypeError(f"exec() needs a hcqa Program (got {type(prog).__name__})")
+        if prog.device is not self.device:
+            raise InvalidCommand(
+                f"exec(): program {prog.name!r} must be on {self.device.name} "
+                f"(got one on {prog.device.name})"
+            )
+        if not isinstance(bufs, (tuple, list)):
+            raise TypeError(f"exec() 'bufs' must be a tuple of buffers (got {type(bufs).__name__})")
+        exec_ = prog.validate(bufs, vals, global_size, local_size)
+        writes, reads = prog.access(len(exec_.buffers))
+        self._writes.extend(exec_.buffers[i] for i in writes)
+        self._reads.extend(exec_.buffers[i] for i in reads)
+        symbolic = any(isinstance(v, _SYMBOLIC) for v in (*exec_.vals, *exec_.global_size))
+        symbolic = symbolic or any(isinstance(v, _SYMBOLIC) for v in exec_.local_size)
+        return self._add(exec_, symbolic)
+
+    def copy(self, dest: Buffer, src: Buffer, nbytes: IntLike) -> Self:
+        """Copy ``nbytes`` from ``src`` to ``dest`` on this device (copy queues)."""
+        if self.kind != "copy":
+            raise InvalidCommand(f"copy() needs a copy queue (got a {self.kind} queue)")
+        for name, b in (("dest", dest), ("src", src)):
+            if not isinstance(b, Buffer):
+                raise TypeError(f"copy() {name!r} must be a hcqa.Buffer (got {type(b).__name__})")
+            if b.device is not self.device:
+                raise InvalidCommand(
+                    f"copy() {name!r} must be on {self.device.name} (got a buffer on "
+                    f"{b.device.name}; use hcqa.transfer across devices)"
+                )
+            b._check()
+        nbytes = _intlike("nbytes", nbytes)
+        if isinstance(nbytes, int):
+            _check_copy_size(nbytes, dest, src)
+        self._writes.append(dest)
+        self._reads.append(src)
+        command = cmd.Copy(dest=dest, src=src, nbytes=nbytes)
+        return self._add(command, isinstance(nbytes, _SYMBOLIC))
+
+    # -- submitting ----------------------------------------------------------------------
+
+    @property
+    def variables(self) -> set[Variable]:
+        """Every variable the queue's commands mention."""
+        out: set[Variable] = set()
+        for c in self._commands:
+            for value in attrs.astuple(c, recurse=False):
+                if isinstance(value, _SYMBOLIC):
+                    out |= variables_of(value)
+                elif isinstance(value, tuple):
+                    for v in value:
+                        if isinstance(v, _SYMBOLIC):
+                            out |= variables_of(v)
+        return out
+
+    def _resolve(self, var_vals: VarVals | None) -> list[Any]:
+        if not self._symbolic:
+            return list(self._commands)
+        return [_resolve_command(c, var_vals) for c in self._commands]
+
+    def submit(self, var_vals: VarVals | None = None) -> Fence:
+        """Send the batch now (never blocks; QueueFull when the channel is full)."""
+        from hcqa.graph import current_capture
+
+        graph = current_capture()
+        if graph is not None:
+            fence: Fence = graph._record_queue(self, var_vals)
+            return fence
+        commands = self._resolve(var_vals)
+        return self.device._submit(self._actor, commands, reads=self._reads, writes=self._writes)
+
+    async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
+        """Wait for room in the queue's channel, then submit (backpressure)."""
+        commands = self._resolve(var_vals)
+        while True:
+            try:
+                fence = self.device._submit(
+                    self._actor, commands, reads=self._reads, writes=self._writes
+                )
+            except QueueFull:
+                await self._actor.wait_for_space()
+                continue
+            await _checkpoint()
+            return fence
+
+    def __len__(self) -> int:
+        return len(self._commands)
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.device.name} {self.kind}: {len(self._commands)} commands>"
+
+
+async def _checkpoint() -> None:
+    import trio
+
+    await trio.lowlevel.checkpoint()
+
+
+def _signal_arg(signal: object) -> None:
+    if not isinstance(signal, Signal):
+        raise TypeError(f"'signal' must be a hcqa.Signal (got {type(signal).__name__})")
+
+
+def _check_copy_size(nbytes: int, dest: Buffer, src: Buffer) -> None:
+    limit = min(dest.nbytes, src.nbytes)
+    if not 0 < nbytes <= limit:
+        raise InvalidCommand(
+            f"copy 'nbytes' must be in [1, {limit}] (dest has {dest.nbytes}, src has "
+            f"{src.nbytes} bytes) (got {nbytes})"
+        )
+
+
+def _resolve_command(c: Any, var_vals: VarVals | None) -> Any:
+    t = type(c)
+    if t is cmd.Wait or t is cmd.Signal:
+        if isinstance(c.value, int):
+            return c
+        return attrs.evolve(c, value=_resolved("value", c.value, var_vals))
+    if t is cmd.Exec:
+        vals = tuple(resolve(v, var_vals) for v in c.vals)
+        c.program.check_vals(vals)
+        sizes = []
+        for name in ("global_size", "local_size"):
+            dims = tuple(resolve(v, var_vals) for v in getattr(c, name))
+            if any(d < 1 for d in dims):
+                raise InvalidCommand(f"{name!r} must be positive (got {dims})")
+            sizes.append(dims)
+        return attrs.evolve(c, vals=vals, global_size=sizes[0], local_size=sizes[1])
+    if t is cmd.Copy:
+        if isinstance(c.nbytes, int):
+            return c
+        n = resolve(c.nbytes, var_vals)
+        _check_copy_size(n, c.dest, c.src)
+        return attrs.evolve(c, nbytes=n)
+    return c

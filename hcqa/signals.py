@@ -1,0 +1,518 @@
+"""Timeline signals: 64-bit counters in shared memory that waiters sleep on.
+
+Theory of operation
+-------------------
+A :class:`Signal` is a 32-byte slot in a page of shared memory (a memfd mapped
+``MAP_SHARED``) -- a value word and a timestamp word, both uint64 -- plus an
+eventfd. Anyone who can write the memory can advance the signal: an engine
+thread, a C kernel given :attr:`Signal.address`, a forked child, a device. A
+producer writes the value *first* and then adds 1 to the eventfd; the eventfd
+only says "look again", the value word is the truth.
+
+Waiters park the way tasks park in trio's ``ParkingLot``, with one twist: the
+kernel lets only one reader drain an eventfd, and trio allows one
+``wait_readable`` per fd. So at any moment one waiter of the process is the
+signal's *owner*. The owner sleeps on the eventfd (``wait_readable`` for a trio
+task, ``poll`` for a thread in :meth:`Signal.wait_sync`); every other waiter is
+parked (``wait_task_rescheduled`` for a task, a held lock for a thread). When
+the eventfd fires the owner drains it, re-reads the value and wakes every
+parked waiter whose target is reached. When the owner leaves -- reached,
+cancelled, timed out -- it hands ownership to a parked waiter, so a wake-up
+that lands in between is still seen: the eventfd keeps counting until somebody
+drains it.
+
+No wake-up is lost: a waiter registers itself *before* it reads the value, and
+an in-process producer writes the value *before* it looks for registered
+waiters (the GIL orders the two). A producer that cannot see the waiter list
+(another process, native code) always writes the eventfd.
+
+Breaking: a faulted device (or :meth:`Signal.close`) *breaks* a signal with an
+exception. Waiters whose target is already reached return normally; all others
+raise that very exception instance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import math
+import mmap
+import os
+import select
+import threading
+import time
+import weakref
+from collections.abc import Generator
+from typing import Any
+
+import attrs
+import outcome
+import trio
+
+from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, SignalTimeout
+
+__all__ = ["Fence", "Signal", "SignalStatistics"]
+
+_MAX = 2**64 - 1
+_SLOT = 32
+_PAGE = mmap.PAGESIZE
+
+
+class _Page:
+    """A memfd page of signal slots; kept open so it can be shared later."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("hcqa-signals", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, _PAGE)
+        self.mm = mmap.mmap(self.fd, _PAGE, mmap.MAP_SHARED)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.free = list(range(_PAGE // _SLOT - 1, -1, -1))
+
+
+class _SlotPool:
+    """Hands out 32-byte slots; pages are never unmapped while the process lives."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pages: list[_Page] = []
+
+    def take(self) -> tuple[_Page, int]:
+        with self._lock:
+            for page in self._pages:
+                if page.free:
+                    return page, page.free.pop()
+            page = _Page()
+            self._pages.append(page)
+            return page, page.free.pop()
+
+    def give(self, page: _Page, index: int) -> None:
+        with self._lock:
+            ctypes.memset(page.base + index * _SLOT, 0, _SLOT)
+            page.free.append(index)
+
+
+_pool = _SlotPool()
+_counter = iter(range(1, 2**62))
+
+# Once the process has forked, waiters may live in another process that this one
+# cannot see: from then on every write of a value also writes the eventfd.
+_forked = False
+
+
+def _note_fork() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(before=_note_fork, after_in_child=_note_fork)
+
+
+class _State(enum.Enum):
+    PARKED = "parked"
+    WOKEN = "woken"
+    ABORTED = "aborted"
+
+
+_DONE = "done"
+_OWN = "own"
+
+
+class _Waiter:
+    """One parked waiter: a trio task (task set) or a thread (lock set)."""
+
+    __slots__ = ("lock", "msg", "state", "target", "task", "thread", "token")
+
+    def __init__(self, target: int, *, trio_task: bool) -> None:
+        self.target = target
+        self.state = _State.PARKED
+        self.msg = _DONE
+        self.thread = threading.get_ident()
+        self.task: trio.lowlevel.Task | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.lock: threading.Lock | None = None
+        if trio_task:
+            self.task = trio.lowlevel.current_task()
+            self.token = trio.lowlevel.current_trio_token()
+        else:
+            self.lock = threading.Lock()
+            self.lock.acquire()
+
+
+@attrs.frozen(kw_only=True)
+class SignalStatistics:
+    """What :meth:`Signal.statistics` reports."""
+
+    name: str
+    value: int
+    waiters: int
+    owner: str  # "none", "task" or "thread"
+    broken: bool
+    closed: bool
+
+
+def _check_target(value: object, what: str = "value") -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what!r} must be an int (got {type(value).__name__})")
+    if not 0 <= value <= _MAX:
+        raise InvalidCommand(f"{what!r} must be in [0, 2**64 - 1] (got {value})")
+    return value
+
+
+def _release(fd: int, page: _Page, index: int) -> None:
+    os.close(fd)
+    _pool.give(page, index)
+
+
+class Signal:
+    """A 64-bit timeline value in shared memory that tasks and threads can wait on.
+
+    ``await sig.wait(v)`` returns once ``sig.value >= v``; ``sig.value = v`` wakes
+    every waiter whose target is reached.
+    """
+
+    def __init__(self, value: int = 0, *, name: str | None = None) -> None:
+        value = _check_target(value)
+        self.name = name if name is not None else f"signal#{next(_counter)}"
+        self._page, self._index = _pool.take()
+        addr = self._page.base + self._index * _SLOT
+        self._value = ctypes.c_uint64.from_address(addr)
+        self._stamp = ctypes.c_uint64.from_address(addr + 8)
+        self._value.value = value
+        self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._lock = threading.Lock()
+        self._waiters: dict[_Waiter, None] = {}
+        self._owner: _Waiter | None = None
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._final = 0
+        self._finalizer = weakref.finalize(self, _release, self._fd, self._page, self._index)
+
+    # -- reading and writing -------------------------------------------------------------
+
+    @property
+    def value(self) -> int:
+        """The current value (read from the shared slot)."""
+        return self._final if self._closed else self._value.value
+
+    @value.setter
+    def value(self, value: int) -> None:
+        value = _check_target(value)
+        if self._closed:
+            raise DeviceClosed(f"signal {self.name!r} is closed")
+        self._value.value = value
+        if self._waiters or _forked:
+            os.eventfd_write(self._fd, 1)
+
+    def _set_from_engine(self, value: int, stamp_ns: int | None = None) -> None:
+        """Fast path for engine threads: no checks, optional timestamp."""
+        if stamp_ns is not None:
+            self._stamp.value = stamp_ns
+        self._value.value = value
+        if self._waiters or _forked:
+            os.eventfd_write(self._fd, 1)
+
+    @property
+    def timestamp(self) -> float:
+        """The timestamp slot in microseconds of ``time.monotonic_ns()``'s clock."""
+        return self._stamp.value / 1000.0
+
+    def write_timestamp(self, ns: int | None = None) -> None:
+        """Store ``ns`` (default: now, from ``time.monotonic_ns``) in the timestamp slot."""
+        self._stamp.value = time.monotonic_ns() if ns is None else ns
+
+    @property
+    def address(self) -> int:
+        """Address of the uint64 value slot, for native producers (then write :attr:`fd`)."""
+        return ctypes.addressof(self._value)
+
+    @property
+    def timestamp_address(self) -> int:
+        """Address of the uint64 timestamp slot (nanoseconds)."""
+        return ctypes.addressof(self._stamp)
+
+    @property
+    def fd(self) -> int:
+        """The eventfd a producer outside this process's Python must write after the value."""
+        return self._fd
+
+    def statistics(self) -> SignalStatistics:
+        owner = self._owner
+        kind = "none" if owner is None else ("task" if owner.task is not None else "thread")
+        return SignalStatistics(
+            name=self.name,
+            value=self.value,
+            waiters=len(self._waiters),
+            owner=kind,
+            broken=self._broken is not None,
+            closed=self._closed,
+        )
+
+    def __repr__(self) -> str:
+        return f"<Signal {self.name} value={self.value}>"
+
+    # -- breaking and closing ------------------------------------------------------------
+
+    def _break(self, exc: BaseException) -> None:
+        """Make every unreached wait raise ``exc`` (the first break wins)."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = exc
+        if not self._closed:
+            os.eventfd_write(self._fd, 1)
+
+    def close(self) -> None:
+        """Release the slot and the eventfd; unreached waiters raise :class:`DeviceClosed`."""
+        if self._closed:
+            return
+        self._final = self._value.value
+        self._break(DeviceClosed(f"signal {self.name!r} was closed"))
+        with self._lock:
+            self._closed = True
+            busy = bool(self._waiters) or self._owner is not None
+        if not busy:
+            self._finalize()
+
+    def _finalize(self) -> None:
+        try:
+            trio.lowlevel.notify_closing(self._fd)
+        except RuntimeError:
+            pass  # not inside a trio run: nobody can be in wait_readable on it here
+        self._finalizer()
+
+    # -- the parking lot ----------------------------------------------------------------
+
+    def _raise_broken(self) -> None:
+        exc = self._broken
+        assert exc is not None
+        if isinstance(exc, HcqaError):
+            exc.observed = True
+        raise exc
+
+    def _outcome(self, target: int) -> bool:
+        """True when a wait for ``target`` is over (reached or broken)."""
+        return self.value >= target or self._broken is not None
+
+    def _register(self, waiter: _Waiter) -> bool:
+        with self._lock:
+            self._waiters[waiter] = None
+            if self._owner is None:
+                self._owner = waiter
+            return self._owner is waiter
+
+    def _unregister(self, waiter: _Waiter) -> None:
+        heir = None
+        with self._lock:
+            self._waiters.pop(waiter, None)
+            if self._owner is waiter:
+                self._owner = None
+                for candidate in self._waiters:
+                    if candidate.state is _State.PARKED:
+                        heir = candidate
+                        heir.state, heir.msg = _State.WOKEN, _OWN
+                        self._owner = heir
+                        break
+            last = self._closed and self._owner is None and not self._waiters
+        if heir is not None:
+            self._deliver(heir)
+        if last:
+            self._finalize()
+
+    def _drain(self) -> None:
+        """Owner only: consume the eventfd and wake the parked waiters that are done."""
+        try:
+            os.eventfd_read(self._fd)
+        except BlockingIOError:
+            pass
+        value = self.value
+        broken = self._broken is not None
+        with self._lock:
+            done = [
+                w
+                for w in self._waiters
+                if w is not self._owner
+                and w.state is _State.PARKED
+                and (broken or w.target <= value)
+            ]
+            for w in done:
+                w.state, w.msg = _State.WOKEN, _DONE
+                del self._waiters[w]
+        for w in done:
+            self._deliver(w)
+
+    @staticmethod
+    def _deliver(w: _Waiter) -> None:
+        if w.task is not None:
+            assert w.token is not None
+            if w.thread == threading.get_ident():
+                trio.lowlevel.reschedule(w.task, outcome.Value(w.msg))
+            else:
+                try:
+                    w.token.run_sync_soon(trio.lowlevel.reschedule, w.task, outcome.Value(w.msg))
+                except trio.RunFinishedError:
+                    pass  # that run is gone, and its task with it
+        else:
+            assert w.lock is not None
+            w.lock.release()
+
+    # -- waiting from trio ------------------------------------------------------------------
+
+    async def wait(self, value: int) -> None:
+        """Return once ``self.value >= value``; raise the break error if broken first.
+
+        A checkpoint; cancel it with trio cancel scopes (``trio.fail_after``).
+        """
+        target = _check_target(value)
+        if self.value >= target:
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        await self._park(target)
+
+    async def _wait_limited(self, target: int, hang_limit: float | None, context: str) -> None:
+        """Wait, raising :class:`SignalTimeout` when the value makes no progress for
+        ``hang_limit`` seconds (it is checked when the limit expires, so the error comes
+        between one and two limits after the last progress)."""
+        if hang_limit is None or math.isinf(hang_limit):
+            await self.wait(target)
+            return
+        if self.value >= target:
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        seen = self.value
+        while True:
+            with trio.move_on_after(hang_limit):
+                await self._park(target)
+                return
+            now = self.value
+            if now == seen:
+                where = f"{context}: " if context else ""
+                raise SignalTimeout(
+                    f"{where}signal {self.name!r} did not reach {target} within the hang "
+                    f"limit of {hang_limit:g} s (value {now}, no progress)",
+                    signal=self.name,
+                    expected=target,
+                    seen=now,
+                )
+            seen = now
+
+    async def _park(self, target: int) -> None:
+        waiter = _Waiter(target, trio_task=True)
+        owner = self._register(waiter)
+        try:
+            while not self._outcome(target):
+                if owner:
+                    await trio.lowlevel.wait_readable(self._fd)
+                    self._drain()
+                    continue
+
+                def abort(_: Any, w: _Waiter = waiter) -> trio.lowlevel.Abort:
+                    with self._lock:
+                        if w.state is not _State.PARKED:
+                            return trio.lowlevel.Abort.FAILED
+                        w.state = _State.ABORTED
+                        self._waiters.pop(w, None)
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                msg = await trio.lowlevel.wait_task_rescheduled(abort)
+                waiter.state = _State.PARKED
+                if msg == _OWN:
+                    owner = True
+                else:
+                    with self._lock:
+                        self._waiters[waiter] = None
+        finally:
+            self._unregister(waiter)
+        if self.value < target:
+            self._raise_broken()
+
+    # -- waiting from threads ------------------------------------------------------------
+
+    def wait_sync(self, value: int, timeout: float | None = None) -> None:
+        """Block this (non-trio) thread until ``self.value >= value``; sleeps, never spins.
+
+        Raises :class:`SignalTimeout` after ``timeout`` seconds (``None``: forever).
+        """
+        target = _check_target(value)
+        if timeout is not None and not timeout >= 0:
+            raise InvalidCommand(f"'timeout' must be >= 0 or None (got {timeout})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.value >= target:
+            return
+        waiter = _Waiter(target, trio_task=False)
+        owner = self._register(waiter)
+        poller: select.poll | None = None
+        try:
+            while not self._outcome(target):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    now = self.value
+                    raise SignalTimeout(
+                        f"signal {self.name!r} did not reach {target} within {timeout:g} s "
+                        f"(value {now})",
+                        signal=self.name,
+                        expected=target,
+                        seen=now,
+                    )
+                if owner:
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(self._fd, select.POLLIN)
+                    ms = -1 if remaining is None else max(1, math.ceil(remaining * 1000))
+                    if poller.poll(ms):
+                        self._drain()
+                    continue
+                assert waiter.lock is not None
+                if waiter.lock.acquire(timeout=-1 if remaining is None else remaining):
+                    waiter.state = _State.PARKED
+                    if waiter.msg == _OWN:
+                        owner = True
+                    else:
+                        with self._lock:
+                            self._waiters[waiter] = None
+        finally:
+            with self._lock:
+                if waiter.state is _State.PARKED and not owner:
+                    waiter.state = _State.ABORTED
+            self._unregister(waiter)
+        if self.value < target:
+            self._raise_broken()
+
+
+@attrs.frozen(eq=False)
+class Fence:
+    """A point on a timeline: ``signal`` reaching ``value``.
+
+    ``await fence`` waits for it; ``fence.wait_sync(timeout=...)`` blocks a thread;
+    ``fence.reached`` tells without waiting. Devices hand out fences that also
+    carry their hang limit and a description used in error messages.
+    """
+
+    signal: Signal
+    value: int
+    hang_limit: float | None = attrs.field(default=None, kw_only=True)
+    context: str = attrs.field(default="", kw_only=True)
+    device: Any = attrs.field(default=None, kw_only=True, repr=False)
+
+    @property
+    def reached(self) -> bool:
+        return self.signal.value >= self.value
+
+    async def wait(self) -> None:
+        try:
+            await self.signal._wait_limited(self.value, self.hang_limit, self.context)
+        except SignalTimeout as exc:
+            exc.observed = True
+            if self.device is not None:
+                self.device._hang(exc)
+            raise
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    def wait_sync(self, timeout: float | None = None) -> None:
+        self.signal.wait_sync(self.value, timeout)
+
+    def __repr__(self) -> str:
+        state = "reached" if self.reached else f"at {self.signal.value}"
+        return f"<Fence {self.signal.name}>={self.value} ({state})>"
