@@ -19,6 +19,7 @@ from hcqa.errors import (
     QueueFull,
     SignalTimeout,
 )
+from hcqa.graph import Graph, GraphStatistics, capture
 from hcqa.queue import Queue
 from hcqa.signals import Fence, Signal, SignalStatistics
 from hcqa.variables import Variable
@@ -33,6 +34,8 @@ __all__ = [
     "DeviceFault",
     "DeviceStatistics",
     "Fence",
+    "Graph",
+    "GraphStatistics",
     "HcqaError",
     "InvalidCommand",
     "OutOfMemory",
@@ -43,6 +46,7 @@ __all__ = [
     "SignalStatistics",
     "SignalTimeout",
     "Variable",
+    "capture",
     "open_device",
     "open_devices",
     "transfer",

@@ -1,15 +1,538 @@
-"""Graph capture and replay (being built; see issue 4)."""
+"""Graphs: capture work once, replay it with new variable values.
+
+Theory of operation
+-------------------
+``with hcqa.capture() as g:`` makes every enqueue in the block -- program calls,
+transfers, copies, queue submits -- go to ``g`` instead of to the devices (the
+one hook is ``Device._submit``). Each enqueue becomes a *node* on its queue,
+with the buffers it reads and writes.
+
+At the end of the block the graph is *built*, once:
+
+* Dependencies come from buffer access, as in eager mode: a node that reads a
+  buffer depends on its last writer; one that writes depends on the last writer
+  and every reader since. Nodes of one queue keep their order and need nothing.
+* A cross-queue dependency becomes a ``Wait`` on the producer queue's signal,
+  and the producer gets a ``Signal`` right after the node that is waited for.
+  Redundant waits are dropped with vector clocks: a queue that already knows
+  (directly or through another queue's wait) that the producer got that far
+  does not wait again.
+* Each queue's part becomes a *template* batch: static commands shared by every
+  replay, plus *patch slots* for what changes per replay -- signal values
+  (they count on from wherever the queue's signal is at replay time) and
+  commands with variables. Consecutive C kernels with fixed arguments on a cpu
+  device are fused into one native runner call (``crunner.py``).
+
+Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves every
+patch slot first -- an unbound or out-of-range variable raises
+:class:`~hcqa.errors.InvalidCommand` before anything is sent -- then sends one
+message per queue. The graph's boundary is ordered against everything else
+with the same buffer hazards as eager work, so replays of one graph from
+several tasks, or eager work around a replay, serialize correctly: a replay
+simply queues behind the previous one.
+
+``await g(...)`` fans out: one child task of a nursery per queue and per
+cross-device transfer awaits that part's completion. The first failure cancels
+the siblings; the replay raises that :class:`~hcqa.errors.DeviceFault` itself
+(faults cross devices as the same instance), or an ``ExceptionGroup`` when
+several *different* errors happened. Cancelling the awaiting task does not
+cancel device work: the replay completes on the devices, which stay usable.
+"""
 
 from __future__ import annotations
 
-import contextvars
-from typing import Any
+import contextlib
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["current_capture"]
+import attrs
+import trio
 
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar("hcqa_capture", default=None)
+from hcqa import commands as cmd
+from hcqa._capture import capturing, current_capture
+from hcqa.actors import Batch
+from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
+from hcqa.queue import _resolve_command
+from hcqa.signals import Fence, Signal
+from hcqa.variables import Expr, Variable, VarVals, variables_of
+
+if TYPE_CHECKING:
+    from hcqa.actors import QueueActor
+    from hcqa.devices.base import Device
+    from hcqa.devices.buffer import Buffer
+
+__all__ = ["Graph", "GraphStatistics", "capture", "current_capture"]
 
 
-def current_capture() -> Any:
-    """The graph being captured in this context, or None."""
-    return _current.get()
+@attrs.define(eq=False)
+class _Node:
+    index: int
+    device: Device
+    actor: QueueActor
+    commands: list[Any]
+    reads: tuple[Buffer, ...]
+    writes: tuple[Buffer, ...]
+    also: tuple[Device, ...]
+    symbolic: bool
+    waits: list[tuple[QueueActor, int]] = attrs.Factory(list)  # (queue, position) kept
+    clock: dict[QueueActor, int] = attrs.Factory(dict)
+    signals: bool = False
+
+    @property
+    def label(self) -> str:
+        for c in self.commands:
+            if isinstance(c, cmd.Exec):
+                return c.program.name
+            if isinstance(c, cmd.Copy):
+                src, dest = c.src, c.dest
+                if getattr(src, "device", None) is not getattr(dest, "device", None):
+                    return "transfer" if not isinstance(src, cmd.HostMemoryRef) else "copyin"
+                return "copyout" if isinstance(dest, cmd.HostMemoryRef) else "copy"
+            if isinstance(c, cmd.Load):
+                return "load"
+        return "queue"
+
+
+@attrs.frozen(kw_only=True)
+class GraphStatistics:
+    """What :meth:`Graph.statistics` reports."""
+
+    nodes: int
+    queues: int
+    devices: int
+    waits: int
+    waits_dropped: int
+    native_runs: int
+    replays: int
+    variables: tuple[str, ...]
+
+
+@attrs.define(eq=False)
+class _Part:
+    """One queue's share of the graph: the template and its patch slots."""
+
+    actor: QueueActor
+    template: list[Any]
+    patches: list[tuple[int, str, Any]]  # (index, kind, data)
+    nsignals: int
+    reads: tuple[Buffer, ...]
+    writes: tuple[Buffer, ...]
+    also: tuple[Device, ...]
+    transfers: list[int]  # signal indices after cross-device transfers, for the fan-out
+
+
+def _conflicts(
+    reads: Sequence[Buffer], writes: Sequence[Buffer], state: dict[int, Any]
+) -> list[_Node]:
+    """Graph-local hazards: the earlier nodes this access must follow."""
+    deps: list[_Node] = []
+    for b in reads:
+        last = state.get(id(b._hazards))
+        if last is not None and last[0] is not None:
+            deps.append(last[0])
+    for b in writes:
+        last = state.get(id(b._hazards))
+        if last is not None:
+            if last[0] is not None:
+                deps.append(last[0])
+            deps.extend(last[1])
+    return deps
+
+
+class Graph:
+    """Captured work: replay with ``await g(**var_vals)`` or ``g.submit(**var_vals)``."""
+
+    def __init__(self) -> None:
+        self._nodes: list[_Node] = []
+        self._parts: list[_Part] = []
+        self._built = False
+        self._replays = 0
+        self._dropped = 0
+        self._native = 0
+        self._variables: set[Variable] = set()
+        self._capture_signal = Signal(name="capture placeholder")
+        self._capture_signal._break(
+            InvalidCommand("a fence returned while capturing can't be awaited: await the replay")
+        )
+        self._sink: QueueActor | None = None
+        # per allocation touched: (a buffer, last writer queue or None, queues reading since)
+        self._final: list[tuple[Buffer, QueueActor | None, tuple[QueueActor, ...]]] = []
+
+    # -- capture -------------------------------------------------------------------------
+
+    def _record(
+        self,
+        device: Device,
+        actor: QueueActor,
+        commands: list[Any],
+        reads: Sequence[Buffer],
+        writes: Sequence[Buffer],
+        also: Sequence[Device],
+    ) -> Fence:
+        if self._built:
+            raise InvalidCommand("this graph's capture has ended; capture a new graph")
+        device._check_usable()
+        symbolic = False
+        for c in commands:
+            for value in attrs.astuple(c, recurse=False):
+                items = value if isinstance(value, tuple) else (value,)
+                for v in items:
+                    if isinstance(v, (Variable, Expr)):
+                        symbolic = True
+                        self._variables |= variables_of(v)
+        self._nodes.append(
+            _Node(
+                index=len(self._nodes),
+                device=device,
+                actor=actor,
+                commands=list(commands),
+                reads=tuple(reads),
+                writes=tuple(writes),
+                also=tuple(also),
+                symbolic=symbolic,
+            )
+        )
+        return Fence(self._capture_signal, 1)
+
+    # -- build ---------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        self._built = True
+        order: dict[QueueActor, list[_Node]] = {}
+        position: dict[_Node, int] = {}
+        clocks: dict[QueueActor, dict[QueueActor, int]] = {}
+        state: dict[int, Any] = {}  # hazards id -> (last writer node, [readers since])
+        buffers: dict[int, Buffer] = {}
+        for node in self._nodes:
+            q = node.actor
+            queue_nodes = order.setdefault(q, [])
+            position[node] = len(queue_nodes)
+            queue_nodes.append(node)
+            clock = clocks.setdefault(q, {})
+            for dep in sorted(_conflicts(node.reads, node.writes, state), key=lambda n: n.index):
+                p = dep.actor
+                if p is q:
+                    continue
+                pos = position[dep]
+                if clock.get(p, -1) >= pos:
+                    self._dropped += 1
+                    continue
+                node.waits.append((p, pos))
+                dep.signals = True
+                for r, v in dep.clock.items():
+                    if clock.get(r, -1) < v:
+                        clock[r] = v
+                clock[p] = pos
+            clock[q] = position[node]
+            node.clock = dict(clock)
+            for b in node.reads:
+                entry = state.setdefault(id(b._hazards), [None, []])
+                entry[1].append(node)
+            for b in node.writes:
+                state[id(b._hazards)] = [node, []]
+            for b in (*node.reads, *node.writes):
+                buffers.setdefault(id(b._hazards), b)
+        for key, b in buffers.items():
+            writer, readers = state[key]
+            self._final.append(
+                (
+                    b,
+                    writer.actor if writer is not None else None,
+                    tuple(dict.fromkeys(r.actor for r in readers)),
+                )
+            )
+        # signal indices: 1-based count of signalling nodes up to and including each
+        sidx: dict[_Node, int] = {}
+        for nodes in order.values():
+            k = 0
+            for n in nodes:
+                if n.signals:
+                    k += 1
+                    sidx[n] = k
+        self._sink = self._nodes[-1].actor if self._nodes else None
+        for q, nodes in order.items():
+            self._parts.append(self._build_part(q, nodes, position, sidx, order))
+
+    def _build_part(
+        self,
+        q: QueueActor,
+        nodes: list[_Node],
+        position: dict[_Node, int],
+        sidx: dict[_Node, int],
+        order: dict[QueueActor, list[_Node]],
+    ) -> _Part:
+        template: list[Any] = []
+        patches: list[tuple[int, str, Any]] = []
+        transfers: list[int] = []
+        nsig = sum(1 for n in nodes if n.signals)
+        reads: dict[int, Buffer] = {}
+        writes: dict[int, Buffer] = {}
+        also: dict[int, Device] = {}
+        for n in nodes:
+            for p, pos in n.waits:
+                patches.append((len(template), "wait", (p, sidx[order[p][pos]])))
+                template.append(None)
+            for c in n.commands:
+                if n.symbolic:
+                    patches.append((len(template), "command", c))
+                    template.append(None)
+                else:
+                    template.append(c)
+            if n.signals:
+                patches.append((len(template), "signal", sidx[n]))
+                template.append(None)
+            if n.also:
+                if not n.signals:  # a cross-device transfer: give the fan-out a point to await
+                    n.signals = True
+                    nsig += 1
+                    sidx[n] = nsig
+                    patches.append((len(template), "signal", nsig))
+                    template.append(None)
+                transfers.append(sidx[n])
+            for b in n.reads:
+                reads.setdefault(id(b._hazards), b)
+            for b in n.writes:
+                writes[id(b._hazards)] = b
+            for d in n.also:
+                also[id(d)] = d
+        nsig += 1  # the part's final signal
+        patches.append((len(template), "signal", nsig))
+        template.append(None)
+        template, patches = self._fuse_native(template, patches)
+        return _Part(
+            actor=q,
+            template=template,
+            patches=patches,
+            nsignals=nsig,
+            reads=tuple(b for k, b in reads.items() if k not in writes),
+            writes=tuple(writes.values()),
+            also=tuple(also.values()),
+            transfers=transfers,
+        )
+
+    def _fuse_native(
+        self, template: list[Any], patches: list[tuple[int, str, Any]]
+    ) -> tuple[list[Any], list[tuple[int, str, Any]]]:
+        """Replace runs of >= 2 static C Execs on a cpu device by one native runner."""
+        from hcqa.devices.crunner import RunC, build_runner
+
+        patched = {i for i, _, _ in patches}
+        out: list[Any] = []
+        remap: dict[int, int] = {}
+        run: list[cmd.Exec] = []
+
+        def flush() -> None:
+            if len(run) >= 2 and getattr(run[0].program.device, "native_runner", False):
+                calls = [
+                    (e.program.kernel, [b.va_addr for b in e.buffers], e.vals, _no_check)
+                    for e in run
+                ]
+                runner: RunC = build_runner(calls, [e.program.name for e in run])  # type: ignore[arg-type]
+                out.append(runner)
+                self._native += 1
+            else:
+                out.extend(run)
+            run.clear()
+
+        for i, c in enumerate(template):
+            static_c = (
+                i not in patched
+                and isinstance(c, cmd.Exec)
+                and c.program.kernel is not None
+                and all(isinstance(v, int) for v in c.vals)
+            )
+            if static_c:
+                run.append(c)
+                continue
+            flush()
+            remap[i] = len(out)
+            out.append(c)
+        flush()
+        return out, [(remap[i], kind, data) for i, kind, data in patches]
+
+    # -- replay --------------------------------------------------------------------------
+
+    def _bind(self, var_vals: dict[str, Any]) -> VarVals:
+        names = {v.name for v in self._variables}
+        unknown = sorted(set(var_vals) - names)
+        if unknown:
+            raise InvalidCommand(
+                f"replay got unknown variables {unknown} (the graph has {sorted(names)})"
+            )
+        return {v: var_vals[v.name] for v in self._variables if v.name in var_vals}
+
+    def _batches(self, var_vals: VarVals) -> list[tuple[_Part, list[Any], int]]:
+        """Resolve every part's patches: (part, batch, base). Raises before anything is sent."""
+        out = []
+        for part in self._parts:
+            base = part.actor.value
+            batch = list(part.template)
+            for index, kind, data in part.patches:
+                if kind == "signal":
+                    batch[index] = cmd.Signal(signal=part.actor.signal, value=base + data)
+                elif kind == "wait":
+                    p, k = data
+                    batch[index] = ("wait", p, k)  # needs p's base: filled below
+                else:
+                    batch[index] = _resolve_command(data, var_vals)
+            out.append((part, batch, base))
+        bases = {part.actor: base for part, _, base in out}
+        for part, batch, _ in out:
+            for index, kind, _data in part.patches:
+                if kind == "wait":
+                    _, p, k = batch[index]
+                    batch[index] = cmd.Wait(signal=p.signal, value=bases[p] + k)
+        return out
+
+    def submit(self, **var_vals: int) -> Fence:
+        """Send one replay now (never blocks); the Fence is reached when all of it is done."""
+        fence, _ = self._submit(var_vals)
+        return fence
+
+    def _submit(self, var_vals: dict[str, Any]) -> tuple[Fence, list[Fence]]:
+        if not self._built:
+            raise InvalidCommand("a graph can be replayed once its capture block has ended")
+        if current_capture() is not None:
+            raise InvalidCommand("replaying a graph inside a capture is not supported")
+        if not self._parts:
+            raise InvalidCommand("this graph captured no work")
+        bound = self._bind(var_vals)
+        resolved = self._batches(bound)
+        for part, _, _ in resolved:
+            part.actor.device._check_usable()
+            for d in part.also:
+                d._check_usable()
+            if part.actor.full:
+                raise QueueFull(
+                    f"{part.actor.name} queue is full: await the graph to apply backpressure"
+                )
+        # Boundary hazards first, for all parts, before any of this replay is recorded.
+        heads = [_boundary_waits(part) for part, _, _ in resolved]
+        finals: dict[QueueActor, int] = {p.actor: base + p.nsignals for p, _, base in resolved}
+        fences: list[Fence] = []
+        sink_fence: Fence | None = None
+        for (part, batch, base), head in zip(resolved, heads, strict=True):
+            q = part.actor
+            device = q.device
+            tail: list[Any] = []
+            if q is self._sink:
+                for other, final in finals.items():
+                    if other is not q:
+                        tail.append(cmd.Wait(signal=other.signal, value=final))
+            q.value = base + part.nsignals
+            seq = device._timeline.reserve()
+            tail.append(cmd.Step(timeline=device._timeline, seq=seq))
+            for d in part.also:
+                tail.append(cmd.Step(timeline=d._timeline, seq=d._timeline.reserve()))
+            q.send_nowait(Batch(head + batch + tail))
+            limit = device.hang_limit
+            fences.append(Fence(q.signal, base + part.nsignals, hang_limit=limit, context=q.name))
+            for k in part.transfers:
+                fences.append(Fence(q.signal, base + k, hang_limit=limit, context=q.name))
+            if q is self._sink:
+                sink_fence = device._timeline.fence(seq)
+        for b, writer, readers in self._final:
+            hz = b._hazards
+            if writer is not None:
+                hz.write = (writer, finals[writer])
+                hz.reads = {r: finals[r] for r in readers}
+            else:
+                for r in readers:
+                    hz.reads[r] = finals[r]
+        self._replays += 1
+        assert sink_fence is not None
+        return sink_fence, fences
+
+    async def __call__(self, **var_vals: int) -> None:
+        """Replay and wait for all of it; see the module doc for the error policy."""
+        while True:
+            try:
+                _, fences = self._submit(var_vals)
+                break
+            except QueueFull:
+                full = next((p.actor for p in self._parts if p.actor.full), None)
+                if full is not None:
+                    await full.wait_for_space()
+        errors: list[BaseException] = []
+
+        async def watch(fence: Fence, scope: trio.CancelScope) -> None:
+            try:
+                await fence.wait()
+            except (HcqaError, DeviceClosed) as exc:
+                if all(exc is not e for e in errors):
+                    errors.append(exc)
+                scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for f in fences:
+                nursery.start_soon(watch, f, nursery.cancel_scope)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("graph replay failed on several devices", errors)  # type: ignore[type-var]
+
+    # -- introspection -------------------------------------------------------------------
+
+    def statistics(self) -> GraphStatistics:
+        return GraphStatistics(
+            nodes=len(self._nodes),
+            queues=len(self._parts),
+            devices=len({id(p.actor.device) for p in self._parts}),
+            waits=sum(len(n.waits) for n in self._nodes),
+            waits_dropped=self._dropped,
+            native_runs=self._native,
+            replays=self._replays,
+            variables=tuple(sorted(v.name for v in self._variables)),
+        )
+
+    def dump(self) -> str:
+        """A readable listing of the captured DAG: nodes per queue and their waits."""
+        lines = [f"graph: {len(self._nodes)} nodes on {len(self._parts)} queues"]
+        for n in self._nodes:
+            waits = ", ".join(f"{p.name}#{pos}" for p, pos in n.waits) or "-"
+            extra = " signals" if n.signals else ""
+            sym = " (variables)" if n.symbolic else ""
+            lines.append(f"  [{n.index}] {n.actor.name}: {n.label}{sym} waits {waits}{extra}")
+        for part in self._parts:
+            kinds = [type(c).__name__ if c is not None else "patch" for c in part.template]
+            lines.append(f"  {part.actor.name} template: {' '.join(kinds)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
+
+
+def _no_check(value: int) -> None:
+    pass
+
+
+def _boundary_waits(part: _Part) -> list[Any]:
+    """Waits that order a replay's part after earlier uses of its buffers elsewhere."""
+    q = part.actor
+    waits: dict[QueueActor, int] = {}
+    for b in part.reads:
+        w = b._hazards.write
+        if w is not None and w[0] is not q and w[0].signal.value < w[1]:
+            waits[w[0]] = max(waits.get(w[0], 0), w[1])
+    for b in part.writes:
+        hz = b._hazards
+        if hz.write is not None and hz.write[0] is not q and hz.write[0].signal.value < hz.write[1]:
+            waits[hz.write[0]] = max(waits.get(hz.write[0], 0), hz.write[1])
+        for r, v in hz.reads.items():
+            if r is not q and r.signal.value < v:
+                waits[r] = max(waits.get(r, 0), v)
+    return [cmd.Wait(signal=r.signal, value=v) for r, v in waits.items()]
+
+
+@contextlib.contextmanager
+def capture() -> Generator[Graph, None, None]:
+    """Record the enqueues of the block into a :class:`Graph` instead of running them."""
+    if current_capture() is not None:
+        raise InvalidCommand("capture() blocks can't be nested")
+    graph = Graph()
+    token = capturing.set(graph)
+    try:
+        yield graph
+    finally:
+        capturing.reset(token)
+    graph._build()

@@ -178,13 +178,12 @@ class Queue:
 
     def submit(self, var_vals: VarVals | None = None) -> Fence:
         """Send the batch now (never blocks; QueueFull when the channel is full)."""
-        from hcqa.graph import current_capture
+        from hcqa._capture import current_capture
 
-        graph = current_capture()
-        if graph is not None:
-            fence: Fence = graph._record_queue(self, var_vals)
-            return fence
-        commands = self._resolve(var_vals)
+        if var_vals is None and current_capture() is not None:
+            commands = list(self._commands)  # a capture keeps the variables for replay
+        else:
+            commands = self._resolve(var_vals)
         return self.device._submit(self._actor, commands, reads=self._reads, writes=self._writes)
 
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa import commands as cmd
+from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
 from hcqa.devices.buffer import Buffer, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator
@@ -244,7 +245,13 @@ class Device:
         writes: Sequence[Buffer] = (),
         also: Sequence[Device] = (),
     ) -> Fence:
-        """Send one batch to ``actor``; the Fence of this device's timeline step."""
+        """Send one batch to ``actor``; the Fence of this device's timeline step.
+
+        While a graph is being captured the batch is recorded instead."""
+        graph = current_capture()
+        if graph is not None:
+            fence: Fence = graph._record(self, actor, commands, reads, writes, also)
+            return fence
         self._check_usable()
         for other in also:
             other._check_usable()
@@ -286,20 +293,13 @@ class Device:
     def _enqueue_exec(
         self, exec_: cmd.Exec, *, timed: tuple[Signal, Signal] | None = None
     ) -> Fence:
-        from hcqa.graph import current_capture
-
-        for v in exec_.vals:
-            if not isinstance(v, int):
-                graph = current_capture()
-                if graph is None:
+        if current_capture() is None:
+            for v in exec_.vals:
+                if not isinstance(v, int):
                     raise InvalidCommand(
                         f"{exec_.program.name!r}: variable {v} is unbound outside a capture "
                         "(pass ints, or use a Queue with var_vals / hcqa.capture())"
                     )
-        graph = current_capture()
-        if graph is not None:
-            fence: Fence = graph._record_exec(exec_)
-            return fence
         writes, reads = exec_.program.access(len(exec_.buffers))
         commands: list[Any] = [exec_]
         if timed is not None:
@@ -384,6 +384,9 @@ def _describe(command: Any) -> str:
         return f"copy of {command.nbytes} bytes"
     if isinstance(command, cmd.Load):
         return f"load of {command.path!r}"
+    names = getattr(command, "names", None)
+    if names is not None:
+        return f"native run of {', '.join(map(repr, names))}"
     return type(command).__name__
 
 

@@ -28,6 +28,7 @@ from hcqa import commands as cmd
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.compiler import compile_c
+from hcqa.devices.crunner import RunC
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -45,6 +46,7 @@ class CpuDevice(Device):
     """A device whose memory is host memory and whose engines are threads."""
 
     kind = "cpu"
+    native_runner = True  # graphs may fuse runs of C kernels into one native call
 
     def __init__(self, name: str, **options: Any) -> None:
         self.staging = StagingRing(name=name)
@@ -52,7 +54,7 @@ class CpuDevice(Device):
 
     def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
         if kind == "compute":
-            return {cmd.Exec: self._exec, cmd.Copy: self._copy}
+            return {cmd.Exec: self._exec, cmd.Copy: self._copy, RunC: RunC.__call__}
         return {cmd.Copy: self._copy, cmd.Load: self._load_file}
 
     def _make_program(

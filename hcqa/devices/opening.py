@@ -164,8 +164,6 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     Runs on the destination's copy queue, after the source's last write and the
     destination's last uses; ordered on both devices' timelines. Returns the
     destination timeline's Fence."""
-    from hcqa.graph import current_capture
-
     for name, b in (("dest", dest), ("src", src)):
         if not isinstance(b, Buffer):
             raise TypeError(f"transfer {name!r} must be a hcqa.Buffer (got {type(b).__name__})")
@@ -174,10 +172,6 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
         raise InvalidCommand(
             f"transfer needs equal sizes: dest has {dest.nbytes} bytes (got src of {src.nbytes})"
         )
-    graph = current_capture()
-    if graph is not None:
-        fence: Fence = graph._record_transfer(dest, src)
-        return fence
     device = dest.device
     also = (src.device,) if src.device is not device else ()
     command = cmd.Copy(dest=dest, src=src, nbytes=dest.nbytes)

@@ -1,0 +1,112 @@
+"""Native runners: a run of C kernels executed by one call into generated C.
+
+Theory of operation
+-------------------
+Dispatching a kernel from Python costs about a microsecond (a ctypes call and
+the engine's loop); for tiny kernels that is the whole cost. A graph replays
+the same kernels with the same arguments again and again, so for a run of
+consecutive C kernels on one queue it generates a small C function::
+
+    void hcqa_run(void **fn, const int64_t *a) {
+        ((sig0)fn[0])((void *)a[0], (void *)a[1], (int32_t)a[2]);
+        ((sig1)fn[1])(...);
+    }
+
+where each ``sigN`` is a function-pointer type built from the kernel's
+parameter list, ``fn`` holds the kernels' addresses and ``a`` their arguments
+(buffer addresses, then int vals, each widened to 64 bits). The source depends
+only on the *shapes* of the calls, so it is compiled once and cached like any
+kernel; the tables are plain ctypes arrays. One ctypes call then runs the whole
+run with the GIL released, and the per-kernel cost is an indirect C call.
+
+Arguments that depend on variables are *slots* of ``a``: each replay gets its
+own copy of the table with the slots filled in (the previous replay may still
+be running with its own).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from hcqa.devices.compiler import CKernel, compile_c
+from hcqa.variables import IntLike, VarVals, resolve
+
+__all__ = ["RunC", "build_runner"]
+
+
+def _c_int_type(ctype: type) -> str:
+    bits = ctypes.sizeof(ctype) * 8
+    if ctype is ctypes.c_bool:
+        return "_Bool"
+    signed = ctype(-1).value == -1
+    return f"{'' if signed else 'u'}int{bits}_t"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RunC:
+    """A command: call ``entry(fns, args)`` once (args patched per replay if ``slots``)."""
+
+    entry: Any = attrs.field(repr=False)
+    fns: Any = attrs.field(repr=False)
+    args: Any = attrs.field(repr=False)
+    names: tuple[str, ...]
+    slots: tuple[tuple[int, IntLike, Callable[[int], None]], ...] = ()
+
+    def __call__(self) -> None:
+        self.entry(self.fns, self.args)
+
+    def patched(self, var_vals: VarVals | None) -> RunC:
+        """A copy with the variable slots of the argument table filled in."""
+        if not self.slots:
+            return self
+        args = type(self.args).from_buffer_copy(self.args)
+        for index, value, check in self.slots:
+            v = resolve(value, var_vals)
+            check(v)
+            args[index] = v
+        return attrs.evolve(self, args=args)
+
+
+def build_runner(
+    calls: Sequence[tuple[CKernel, Sequence[int], Sequence[IntLike], Callable[[int], None]]],
+    names: Sequence[str],
+) -> RunC:
+    """One RunC for ``calls``: (kernel, buffer addresses, vals, val range check)."""
+    lines = ["#include <stdint.h>"]
+    types: dict[tuple[str, ...], str] = {}
+    body: list[str] = []
+    table: list[int] = []
+    slots: list[tuple[int, IntLike, Callable[[int], None]]] = []
+    for i, (kernel, addrs, vals, check) in enumerate(calls):
+        ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
+        if ctypes_ not in types:
+            types[ctypes_] = f"sig{len(types)}"
+            lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
+        args: list[str] = []
+        for t in ctypes_:
+            if t == "void *":
+                args.append(f"(void *)(intptr_t)a[{len(table)}]")
+                table.append(addrs[len(args) - 1])
+            else:
+                args.append(f"({t})a[{len(table)}]")
+                v = vals[len(args) - 1 - len(addrs)]
+                if isinstance(v, int):
+                    table.append(v)
+                else:
+                    slots.append((len(table), v, check))
+                    table.append(0)
+        body.append(f"    (({types[ctypes_]})fn[{i}])({', '.join(args)});")
+    lines.append("void hcqa_run(void **fn, const int64_t *a) {")
+    lines.extend(body)
+    lines.append("}")
+    kernel = compile_c("\n".join(lines) + "\n", "hcqa_run")
+    fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _, _, _ in calls])
+    args_t = ctypes.c_int64 * max(1, len(table))
+    table_ = args_t(*[ctypes.c_int64(v).value for v in table])
+    entry = kernel.fn
+    entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return RunC(entry=entry, fns=fns, args=table_, names=tuple(names), slots=tuple(slots))
