@@ -64,6 +64,7 @@ class QueueStatistics:
     pending_batches: int
     capacity: int
     waiting: bool
+    direct: int
 
 
 class QueueActor:
@@ -82,6 +83,9 @@ class QueueActor:
         self.received = 0
         self._space = trio.lowlevel.ParkingLot()
         self._waiting = False
+        self._busy = False
+        self._closed = False
+        self.direct = 0  # batches that went straight to the engine
         self._table: dict[type, Callable[[Any], Awaitable[None]]] = {Batch: self._batch}
 
     # -- the submitting side (caller's task) ---------------------------------------------
@@ -91,6 +95,19 @@ class QueueActor:
         return self.sent - self.received >= self.capacity
 
     def send_nowait(self, batch: Batch) -> None:
+        """Queue ``batch`` (the channel must have room: check ``full`` first).
+
+        A batch without Waits sent to an idle actor -- nothing in its channel,
+        not inside a batch -- goes straight to the engine: all the actor would do
+        is forward it, and the engine's FIFO keeps the order just the same."""
+        if self.sent == self.received and not self._busy and not self._closed:
+            commands = batch.commands
+            if not any(type(c) is cmd.Wait for c in commands):
+                self.engine.put(commands)
+                self.sent += 1
+                self.received += 1
+                self.direct += 1
+                return
         self._send.send_nowait(batch)
         self.sent += 1
 
@@ -99,6 +116,7 @@ class QueueActor:
 
     async def close_input(self) -> None:
         """No more batches: the actor drains what it has and ends."""
+        self._closed = True
         await self._send.aclose()
 
     # -- the actor -------------------------------------------------------------------------
@@ -122,7 +140,11 @@ class QueueActor:
                             f"queue {self.name!r} got an unknown message "
                             f"{type(message).__name__} (expected Batch)"
                         )
-                    await handler(message)
+                    self._busy = True
+                    try:
+                        await handler(message)
+                    finally:
+                        self._busy = False
         except trio.Cancelled:
             self.device._cancel()  # left by an exception or cancelled: abandon pending work
             raise
@@ -180,4 +202,5 @@ class QueueActor:
             pending_batches=self.sent - self.received,
             capacity=self.capacity,
             waiting=self._waiting,
+            direct=self.direct,
         )

@@ -14,7 +14,7 @@ Completion is reported only through signals: a ``Signal`` command writes the
 slot and the eventfd; a ``Step`` advances the device timeline. The engine never
 calls into trio.
 
-Faults: when a handler raises, the engine asks the device to fault (which
+Faults: when a handler raises (or the thread itself dies), the engine asks the device to fault (which
 breaks the device's signals with one :class:`~hcqa.errors.DeviceFault`) and
 from then on executes nothing: every later ``Signal`` it is handed breaks its
 signal with the device's error instead of setting it, so nobody waits for work
@@ -95,6 +95,7 @@ class Engine:
 
     def _main(self) -> None:
         inbox, table = self._inbox, self._table
+        stopped = False
         try:
             while (run := inbox.get()) is not None:
                 for command in run:
@@ -114,7 +115,10 @@ class Engine:
                         self._on_fault(command, exc)
                         self._skip(command, self._error_of())
                     self.executed += 1
+            stopped = True
         finally:
+            if not stopped:  # the thread is dying of an error outside any handler
+                self._on_fault(None, RuntimeError(f"engine thread {self.name!r} died"))
             self.exited._set_from_engine(1)
 
     @staticmethod
