@@ -14,8 +14,9 @@ Completion is reported only through signals: a ``Signal`` command writes the
 slot and the eventfd; a ``Step`` advances the device timeline. The engine never
 calls into trio.
 
-Faults: when a handler raises (or the thread itself dies), the engine asks the device to fault (which
-breaks the device's signals with one :class:`~hcqa.errors.DeviceFault`) and
+Faults: when a handler raises (or the thread itself dies), the engine asks
+the device to fault (which breaks the device's signals with one
+:class:`~hcqa.errors.DeviceFault`) and
 from then on executes nothing: every later ``Signal`` it is handed breaks its
 signal with the device's error instead of setting it, so nobody waits for work
 that will never run. Cancellation (closing a device by an exception) works the
