@@ -20,6 +20,7 @@ from hcqa.errors import (
     SignalTimeout,
 )
 from hcqa.graph import Graph, GraphStatistics, capture
+from hcqa.pipeline import Pipeline, PipelineStatistics, Stage
 from hcqa.queue import Queue
 from hcqa.signals import Fence, Signal, SignalStatistics
 from hcqa.variables import Variable
@@ -39,12 +40,15 @@ __all__ = [
     "HcqaError",
     "InvalidCommand",
     "OutOfMemory",
+    "Pipeline",
+    "PipelineStatistics",
     "Program",
     "Queue",
     "QueueFull",
     "Signal",
     "SignalStatistics",
     "SignalTimeout",
+    "Stage",
     "Variable",
     "capture",
     "open_device",

@@ -1,0 +1,227 @@
+"""Pipelines: microbatches through stages on several devices, transfers overlapping compute.
+
+Theory of operation
+-------------------
+A :class:`Pipeline` is a list of :class:`Stage` s, each a program on one
+device. It owns ``depth`` *slots*; a slot is one set of buffers (each stage's
+input and output) and one captured :class:`~hcqa.graph.Graph` that runs every
+stage on its slot and moves each stage's output to the next stage's device
+with ``hcqa.transfer``. Graphs of different slots share no buffers, so while
+slot ``k`` runs stage 2 on ``cpu:1``, slot ``k + 1`` runs stage 1 on ``cpu:0``,
+and the transfers between them run on the copy engines: the devices overlap.
+
+``await pipe(x)`` takes a free slot (a ``trio.Semaphore`` of ``depth`` bounds
+the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
+the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
+The three are ordered by the buffers' hazards, not by awaiting in between.
+
+Cancellation: cancelling a caller stops its wait at once. Its slot goes back
+to the pool immediately; the work already queued on it completes on the
+devices, and whatever next uses the slot is ordered after it by the same
+buffer hazards, so nothing is lost or overwritten early.
+
+``await pipe.map(xs)`` returns the results in order, with up to ``depth`` in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa.devices.base import Device
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.opening import transfer
+from hcqa.devices.program import Program
+from hcqa.errors import InvalidCommand
+from hcqa.graph import Graph, capture
+
+__all__ = ["Pipeline", "PipelineStatistics", "Stage"]
+
+
+@attrs.frozen(kw_only=True)
+class Stage:
+    """One pipeline stage: ``program(out, inp, *params)`` on ``device``.
+
+    ``program`` may be a :class:`~hcqa.Program` or a Python callable (made into a
+    program on ``device``). ``out_shape`` / ``out_dtype`` default to the input's.
+    """
+
+    device: Device
+    program: Program | Callable[..., Any]
+    out_shape: tuple[int, ...] | None = None
+    out_dtype: Any = None
+    params: tuple[Buffer, ...] = ()
+    name: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class PipelineStatistics:
+    """What :meth:`Pipeline.statistics` reports."""
+
+    stages: int
+    depth: int
+    in_flight: int
+    completed: int
+    cancelled: int
+
+
+@attrs.define(eq=False)
+class _Slot:
+    graph: Graph
+    inp: Buffer
+    out: Buffer
+
+
+class Pipeline:
+    """Microbatches through ``stages``; ``await pipe(x)`` returns the last stage's output."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage | tuple[Device, Any]],
+        *,
+        in_shape: tuple[int, ...],
+        dtype: npt.DTypeLike = "float32",
+        depth: int = 2,
+    ) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise TypeError(f"'depth' must be an int (got {type(depth).__name__})")
+        if depth < 1:
+            raise InvalidCommand(f"'depth' must be >= 1 (got {depth})")
+        if not stages:
+            raise InvalidCommand("a Pipeline needs at least one stage (got none)")
+        self.stages = tuple(_stage(s, i) for i, s in enumerate(stages))
+        self.in_shape = tuple(in_shape)
+        self.dtype = np.dtype(dtype)
+        self.depth = depth
+        self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
+        self._slots = [self._build_slot() for _ in range(depth)]
+        self._free = list(self._slots)
+        self._limit = trio.Semaphore(depth)
+        self._completed = 0
+        self._cancelled = 0
+        last = self.stages[-1]
+        self.out_shape = last.out_shape or self._shape_after(len(self.stages) - 1)
+        self.out_dtype = np.dtype(last.out_dtype) if last.out_dtype is not None else self.dtype
+
+    # -- building --------------------------------------------------------------------
+
+    @staticmethod
+    def _program(stage: Stage, index: int) -> Program:
+        if isinstance(stage.program, Program):
+            if stage.program.device is not stage.device:
+                raise InvalidCommand(
+                    f"stage {index}: program {stage.program.name!r} must be on "
+                    f"{stage.device.name} (got one on {stage.program.device.name})"
+                )
+            return stage.program
+        if not callable(stage.program):
+            raise TypeError(
+                f"stage {index}: program must be a hcqa.Program or a callable "
+                f"(got {type(stage.program).__name__})"
+            )
+        return stage.device.program(stage.name or f"stage{index}", stage.program)
+
+    def _shape_after(self, index: int) -> tuple[int, ...]:
+        shape = self.in_shape
+        for s in self.stages[: index + 1]:
+            shape = s.out_shape or shape
+        return shape
+
+    def _build_slot(self) -> _Slot:
+        shape, dtype = self.in_shape, self.dtype
+        first = self.stages[0].device.alloc(shape=shape, dtype=dtype)
+        inp = first
+        with capture() as graph:
+            for i, (stage, prog) in enumerate(zip(self.stages, self._programs, strict=True)):
+                if inp.device is not stage.device:
+                    moved = stage.device.alloc(shape=shape, dtype=dtype)
+                    transfer(moved, inp)
+                    inp = moved
+                shape = stage.out_shape or shape
+                dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
+                out = stage.device.alloc(shape=shape, dtype=dtype)
+                prog(out, inp, *stage.params)
+                inp = out
+                del i
+        return _Slot(graph=graph, inp=first, out=inp)
+
+    # -- running ---------------------------------------------------------------------
+
+    async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Run one microbatch through every stage; returns the output array."""
+        arr = self._check_input(x)
+        async with self._limit:
+            return await self._run(arr)
+
+    def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        arr = np.asarray(x)
+        if arr.shape != self.in_shape or arr.dtype != self.dtype:
+            raise InvalidCommand(
+                f"pipeline input must be {self.dtype}{list(self.in_shape)} "
+                f"(got {arr.dtype}{list(arr.shape)})"
+            )
+        return arr
+
+    async def _run(self, arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        slot = self._free.pop()
+        try:
+            slot.inp.copyin(arr)
+            slot.graph.submit()
+            result = np.empty(self.out_shape, self.out_dtype)
+            await slot.out.copyout(result)
+            self._completed += 1
+            return result
+        except trio.Cancelled:
+            self._cancelled += 1
+            raise
+        finally:
+            self._free.append(slot)
+
+    async def map(self, xs: Iterable[npt.ArrayLike]) -> list[npt.NDArray[Any]]:
+        """``[await self(x) for x in xs]``, but with up to ``depth`` microbatches in flight."""
+        arrays = [self._check_input(x) for x in xs]
+        results: list[Any] = [None] * len(arrays)
+
+        async def one(i: int, arr: npt.NDArray[Any]) -> None:
+            try:
+                results[i] = await self._run(arr)
+            finally:
+                self._limit.release()
+
+        async with trio.open_nursery() as nursery:
+            for i, arr in enumerate(arrays):
+                await self._limit.acquire()
+                nursery.start_soon(one, i, arr)
+        return results
+
+    def statistics(self) -> PipelineStatistics:
+        return PipelineStatistics(
+            stages=len(self.stages),
+            depth=self.depth,
+            in_flight=self.depth - len(self._free),
+            completed=self._completed,
+            cancelled=self._cancelled,
+        )
+
+    def __repr__(self) -> str:
+        names = " -> ".join(s.device.name for s in self.stages)
+        return f"<Pipeline {names} depth={self.depth}>"
+
+
+def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
+    if isinstance(s, Stage):
+        stage = s
+    elif isinstance(s, tuple) and len(s) == 2:
+        stage = Stage(device=s[0], program=s[1])
+    else:
+        raise TypeError(f"stage {index} must be a Stage or a (device, program) pair (got {s!r})")
+    if not isinstance(stage.device, Device):
+        raise TypeError(
+            f"stage {index}: device must be a hcqa Device (got {type(stage.device).__name__})"
+        )
+    return stage
