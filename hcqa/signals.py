@@ -95,8 +95,10 @@ _pool = _SlotPool()
 _counter = iter(range(1, 2**62))
 
 # Once the process has forked, waiters may live in another process that this one
-# cannot see: from then on every write of a value also writes the eventfd.
+# cannot see: from then on every write of a value also writes the eventfd. The
+# child starts with empty parking lots: the parent's waiters are not its own.
 _forked = False
+_live: weakref.WeakSet[Signal] = weakref.WeakSet()
 
 
 def _note_fork() -> None:
@@ -104,7 +106,15 @@ def _note_fork() -> None:
     _forked = True
 
 
-os.register_at_fork(before=_note_fork, after_in_child=_note_fork)
+def _after_fork_in_child() -> None:
+    _note_fork()
+    for sig in list(_live):
+        sig._lock = threading.Lock()
+        sig._waiters = {}
+        sig._owner = None
+
+
+os.register_at_fork(before=_note_fork, after_in_child=_after_fork_in_child)
 
 
 class _State(enum.Enum):
@@ -186,6 +196,7 @@ class Signal:
         self._closed = False
         self._final = 0
         self._finalizer = weakref.finalize(self, _release, self._fd, self._page, self._index)
+        _live.add(self)
 
     # -- reading and writing -------------------------------------------------------------
 
@@ -415,11 +426,12 @@ class Signal:
                     return trio.lowlevel.Abort.SUCCEEDED
 
                 msg = await trio.lowlevel.wait_task_rescheduled(abort)
-                waiter.state = _State.PARKED
                 if msg == _OWN:
+                    waiter.state = _State.PARKED
                     owner = True
-                else:
+                elif not self._outcome(target):  # woken, but the value went back down
                     with self._lock:
+                        waiter.state = _State.PARKED
                         self._waiters[waiter] = None
         finally:
             self._unregister(waiter)
@@ -464,11 +476,12 @@ class Signal:
                     continue
                 assert waiter.lock is not None
                 if waiter.lock.acquire(timeout=-1 if remaining is None else remaining):
-                    waiter.state = _State.PARKED
                     if waiter.msg == _OWN:
+                        waiter.state = _State.PARKED
                         owner = True
-                    else:
+                    elif not self._outcome(target):  # woken, but the value went back down
                         with self._lock:
+                            waiter.state = _State.PARKED
                             self._waiters[waiter] = None
         finally:
             with self._lock:
