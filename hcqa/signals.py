@@ -61,12 +61,22 @@ _PAGE = mmap.PAGESIZE
 class _Page:
     """A memfd page of signal slots; kept open so it can be shared later."""
 
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("hcqa-signals", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, _PAGE)
+    def __init__(self, fd: int | None = None) -> None:
+        if fd is None:
+            fd = os.memfd_create("hcqa-signals", os.MFD_CLOEXEC)
+            os.ftruncate(fd, _PAGE)
+        self.fd = fd
         self.mm = mmap.mmap(self.fd, _PAGE, mmap.MAP_SHARED)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self.free = list(range(_PAGE // _SLOT - 1, -1, -1))
+
+    def close(self) -> None:
+        """Unmap and close (only for pages attached from another process)."""
+        os.close(self.fd)
+        try:
+            self.mm.close()
+        except BufferError:  # a ctypes view still alive: the mapping goes with it
+            pass
 
 
 class _SlotPool:
@@ -130,12 +140,13 @@ _OWN = "own"
 class _Waiter:
     """One parked waiter: a trio task (task set) or a thread (lock set)."""
 
-    __slots__ = ("lock", "msg", "state", "target", "task", "thread", "token")
+    __slots__ = ("lock", "msg", "parked", "state", "target", "task", "thread", "token")
 
     def __init__(self, target: int, *, trio_task: bool) -> None:
         self.target = target
         self.state = _State.PARKED
         self.msg = _DONE
+        self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
         self.thread = threading.get_ident()
         self.task: trio.lowlevel.Task | None = None
         self.token: trio.lowlevel.TrioToken | None = None
@@ -168,9 +179,15 @@ def _check_target(value: object, what: str = "value") -> int:
     return value
 
 
-def _release(fd: int, page: _Page, index: int) -> None:
+def _release(fd: int, page: _Page, index: int, peers: list[int], owned: bool) -> None:
     os.close(fd)
-    _pool.give(page, index)
+    for peer in peers:
+        os.close(peer)
+    peers.clear()
+    if owned:
+        _pool.give(page, index)
+    else:
+        page.close()
 
 
 class Signal:
@@ -182,20 +199,39 @@ class Signal:
 
     def __init__(self, value: int = 0, *, name: str | None = None) -> None:
         value = _check_target(value)
+        page, index = _pool.take()
+        self._setup(page, index, name, owned=True)
+        self._value.value = value
+
+    @classmethod
+    def attach(cls, page_fd: int, index: int, *, name: str | None = None) -> Signal:
+        """A signal over slot ``index`` of a signal page received from another process.
+
+        Takes ownership of ``page_fd``. Add the exporting side's eventfd with
+        :meth:`add_peer` so that values set here wake its waiters too."""
+        if not 0 <= index < _PAGE // _SLOT:
+            raise InvalidCommand(f"'index' must be in [0, {_PAGE // _SLOT}) (got {index})")
+        sig = cls.__new__(cls)
+        sig._setup(_Page(page_fd), index, name, owned=False)
+        return sig
+
+    def _setup(self, page: _Page, index: int, name: str | None, *, owned: bool) -> None:
         self.name = name if name is not None else f"signal#{next(_counter)}"
-        self._page, self._index = _pool.take()
+        self._page, self._index = page, index
         addr = self._page.base + self._index * _SLOT
         self._value = ctypes.c_uint64.from_address(addr)
         self._stamp = ctypes.c_uint64.from_address(addr + 8)
-        self._value.value = value
         self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._peers: list[int] = []
         self._lock = threading.Lock()
         self._waiters: dict[_Waiter, None] = {}
         self._owner: _Waiter | None = None
         self._broken: BaseException | None = None
         self._closed = False
         self._final = 0
-        self._finalizer = weakref.finalize(self, _release, self._fd, self._page, self._index)
+        self._finalizer = weakref.finalize(
+            self, _release, self._fd, self._page, self._index, self._peers, owned
+        )
         _live.add(self)
 
     # -- reading and writing -------------------------------------------------------------
@@ -213,6 +249,8 @@ class Signal:
         self._value.value = value
         if self._waiters or _forked:
             os.eventfd_write(self._fd, 1)
+        for peer in self._peers:
+            os.eventfd_write(peer, 1)
 
     def _set_from_engine(self, value: int, stamp_ns: int | None = None) -> None:
         """Fast path for engine threads: no checks, optional timestamp."""
@@ -221,6 +259,22 @@ class Signal:
         self._value.value = value
         if self._waiters or _forked:
             os.eventfd_write(self._fd, 1)
+        for peer in self._peers:
+            os.eventfd_write(peer, 1)
+
+    # -- sharing with other processes ------------------------------------------------------
+
+    def export(self) -> tuple[int, int, int]:
+        """(page fd, slot index, eventfd): what another process needs to attach.
+
+        Send the fds with SCM_RIGHTS (see ``hcqa.ipc``); this signal keeps owning them."""
+        return self._page.fd, self._index, self._fd
+
+    def add_peer(self, eventfd: int) -> None:
+        """Also wake ``eventfd`` (another process's waiters) on every value written here.
+
+        Takes ownership of the fd."""
+        self._peers.append(eventfd)
 
     @property
     def timestamp(self) -> float:
@@ -284,6 +338,8 @@ class Signal:
             self._finalize()
 
     def _finalize(self) -> None:
+        if not self._finalizer.alive:
+            return
         try:
             trio.lowlevel.notify_closing(self._fd)
         except RuntimeError:
@@ -303,16 +359,26 @@ class Signal:
         """True when a wait for ``target`` is over (reached or broken)."""
         return self.value >= target or self._broken is not None
 
-    def _register(self, waiter: _Waiter) -> bool:
+    def _register(self, waiter: _Waiter) -> None:
         with self._lock:
             self._waiters[waiter] = None
+
+    def _claim(self, waiter: _Waiter) -> bool:
+        """At the top of every wait loop: am I the owner? (taking ownership if nobody
+        has it). A non-owner is (re)listed as parked, so the owner will wake it."""
+        with self._lock:
+            self._waiters[waiter] = None  # listed, so producers write the eventfd
             if self._owner is None:
                 self._owner = waiter
-            return self._owner is waiter
+            if self._owner is waiter:
+                return True
+            waiter.state = _State.PARKED
+            return False
 
     def _unregister(self, waiter: _Waiter) -> None:
         heir = None
         with self._lock:
+            waiter.state = _State.ABORTED
             self._waiters.pop(waiter, None)
             if self._owner is waiter:
                 self._owner = None
@@ -351,14 +417,22 @@ class Signal:
             self._deliver(w)
 
     @staticmethod
-    def _deliver(w: _Waiter) -> None:
+    def _wake_task(w: _Waiter) -> None:
+        """In the waiter's trio thread: reschedule it if it is (still) parked."""
+        if w.parked:
+            w.parked = False
+            assert w.task is not None
+            trio.lowlevel.reschedule(w.task, outcome.Value(w.msg))
+
+    @classmethod
+    def _deliver(cls, w: _Waiter) -> None:
         if w.task is not None:
             assert w.token is not None
             if w.thread == threading.get_ident():
-                trio.lowlevel.reschedule(w.task, outcome.Value(w.msg))
+                cls._wake_task(w)
             else:
                 try:
-                    w.token.run_sync_soon(trio.lowlevel.reschedule, w.task, outcome.Value(w.msg))
+                    w.token.run_sync_soon(cls._wake_task, w)
                 except trio.RunFinishedError:
                     pass  # that run is gone, and its task with it
         else:
@@ -408,31 +482,31 @@ class Signal:
             seen = now
 
     async def _park(self, target: int) -> None:
+        if self._closed:
+            self._raise_broken()
         waiter = _Waiter(target, trio_task=True)
-        owner = self._register(waiter)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            with self._lock:
+                if waiter.state is not _State.PARKED:
+                    return trio.lowlevel.Abort.FAILED  # a wake-up is on its way
+                waiter.state = _State.ABORTED
+                waiter.parked = False
+                self._waiters.pop(waiter, None)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        self._register(waiter)
         try:
             while not self._outcome(target):
-                if owner:
+                if self._claim(waiter):
                     await trio.lowlevel.wait_readable(self._fd)
                     self._drain()
                     continue
-
-                def abort(_: Any, w: _Waiter = waiter) -> trio.lowlevel.Abort:
-                    with self._lock:
-                        if w.state is not _State.PARKED:
-                            return trio.lowlevel.Abort.FAILED
-                        w.state = _State.ABORTED
-                        self._waiters.pop(w, None)
-                    return trio.lowlevel.Abort.SUCCEEDED
-
-                msg = await trio.lowlevel.wait_task_rescheduled(abort)
-                if msg == _OWN:
-                    waiter.state = _State.PARKED
-                    owner = True
-                elif not self._outcome(target):  # woken, but the value went back down
-                    with self._lock:
-                        waiter.state = _State.PARKED
-                        self._waiters[waiter] = None
+                waiter.parked = True
+                try:
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                finally:
+                    waiter.parked = False
         finally:
             self._unregister(waiter)
         if self.value < target:
@@ -451,8 +525,10 @@ class Signal:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.value >= target:
             return
+        if self._closed:
+            self._raise_broken()
         waiter = _Waiter(target, trio_task=False)
-        owner = self._register(waiter)
+        self._register(waiter)
         poller: select.poll | None = None
         try:
             while not self._outcome(target):
@@ -466,7 +542,7 @@ class Signal:
                         expected=target,
                         seen=now,
                     )
-                if owner:
+                if self._claim(waiter):
                     if poller is None:
                         poller = select.poll()
                         poller.register(self._fd, select.POLLIN)
@@ -475,18 +551,8 @@ class Signal:
                         self._drain()
                     continue
                 assert waiter.lock is not None
-                if waiter.lock.acquire(timeout=-1 if remaining is None else remaining):
-                    if waiter.msg == _OWN:
-                        waiter.state = _State.PARKED
-                        owner = True
-                    elif not self._outcome(target):  # woken, but the value went back down
-                        with self._lock:
-                            waiter.state = _State.PARKED
-                            self._waiters[waiter] = None
+                waiter.lock.acquire(timeout=-1 if remaining is None else remaining)
         finally:
-            with self._lock:
-                if waiter.state is _State.PARKED and not owner:
-                    waiter.state = _State.ABORTED
             self._unregister(waiter)
         if self.value < target:
             self._raise_broken()
