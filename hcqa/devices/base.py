@@ -34,7 +34,7 @@ from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
 from hcqa.devices.buffer import Buffer, typed_size
-from hcqa.devices.memory import AllocatorStatistics, CachingAllocator
+from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, QueueFull
@@ -118,16 +118,38 @@ class Device:
         *,
         shape: tuple[int, ...] | int | None = None,
         dtype: npt.DTypeLike | None = None,
+        shared: bool = False,
     ) -> Buffer:
-        """Allocate ``nbytes`` raw bytes, or a typed buffer of ``shape`` and ``dtype``."""
+        """Allocate ``nbytes`` raw bytes, or a typed buffer of ``shape`` and ``dtype``.
+
+        ``shared=True`` puts it in memory another process can map (``Buffer.export``)."""
         self._check_usable()
         if isinstance(shape, bool):
             raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
         if isinstance(shape, int):
             shape = (shape,)
         n, dt, shp = typed_size(nbytes, dtype, shape)
-        mem = self.allocator.alloc(n)
+        mem = HostMemory(n, shareable=True) if shared else self.allocator.alloc(n)
         return Buffer(self, mem, n, dtype=dt, shape=shp)
+
+    def import_buffer(
+        self,
+        fd: int,
+        nbytes: int,
+        *,
+        offset: int = 0,
+        dtype: npt.DTypeLike | None = None,
+        shape: tuple[int, ...] | list[int] | None = None,
+    ) -> Buffer:
+        """A buffer over shared memory exported by another process (takes ``fd``)."""
+        self._check_usable()
+        if not self.host_visible:
+            raise InvalidCommand(f"{self.name} is not host-visible: it can't map shared memory")
+        shp = tuple(shape) if shape is not None else None
+        n, dt, shp = typed_size(nbytes, dtype, shp)
+        mem = HostMemory(offset + n, fd=fd)
+        whole = Buffer(self, mem, offset + n)
+        return whole.view(offset, n, dtype=dt, shape=shp) if offset or dt is not None else whole
 
     def program(
         self,

@@ -68,7 +68,9 @@ class Hazards:
 
 
 def _free(device: Device, mem: HostMemory) -> None:
-    if not device._closed:
+    if mem.fd is not None:  # shared memory: not the allocator's
+        mem.close()
+    elif not device._closed:
         device.allocator.free(mem)
 
 
@@ -167,6 +169,26 @@ class Buffer:
     ) -> Fence:
         """Read ``nbytes`` (default: the buffer size) of a file from ``offset`` into it."""
         return self.device._load(self, os.fspath(path), offset, nbytes)
+
+    def export(self) -> tuple[int, dict[str, Any]]:
+        """(memfd, description) for another process: see ``Device.import_buffer``.
+
+        Only buffers allocated with ``shared=True`` (and their views) can be exported;
+        the buffer keeps owning the fd (send it with SCM_RIGHTS, see ``hcqa.ipc``)."""
+        self._check()
+        fd = self._mem.fd
+        if fd is None:
+            raise InvalidCommand(
+                "only buffers allocated with alloc(..., shared=True) can be exported "
+                "(got an ordinary allocation)"
+            )
+        meta = {
+            "nbytes": self.nbytes,
+            "offset": self.offset,
+            "dtype": None if self.dtype is None else self.dtype.str,
+            "shape": None if self.shape is None else list(self.shape),
+        }
+        return fd, meta
 
     def free(self) -> None:
         """Give the memory back now (only the owning buffer, only when no work uses it)."""

@@ -33,6 +33,7 @@ import collections
 import ctypes
 import mmap
 import operator
+import os
 from typing import SupportsIndex
 
 import attrs
@@ -78,12 +79,30 @@ def size_class(nbytes: int) -> int:
 
 
 class HostMemory:
-    """One page-rounded anonymous shared mapping of at least ``nbytes`` bytes."""
+    """One page-rounded shared mapping of at least ``nbytes`` bytes.
 
-    def __init__(self, nbytes: int) -> None:
+    Anonymous by default; ``shareable=True`` backs it with a memfd (``fd``) that
+    another process can map, and ``fd=`` maps a memfd received from one (the
+    block then owns that fd)."""
+
+    def __init__(self, nbytes: int, *, shareable: bool = False, fd: int | None = None) -> None:
         self._nbytes = _check_int("nbytes", nbytes, 1)
         self._capacity = _round_up(self._nbytes, PAGE_SIZE)
-        self._mm: mmap.mmap | None = mmap.mmap(-1, self._capacity)
+        if shareable and fd is None:
+            fd = os.memfd_create("hcqa-buffer", os.MFD_CLOEXEC)
+            os.ftruncate(fd, self._capacity)
+        self.fd = fd
+        if fd is None:
+            self._mm: mmap.mmap | None = mmap.mmap(-1, self._capacity)
+        else:
+            size = os.fstat(fd).st_size
+            if size < self._nbytes:
+                os.close(fd)
+                raise InvalidCommand(
+                    f"shared memory must hold 'nbytes' = {self._nbytes} bytes (got {size})"
+                )
+            self._capacity = min(self._capacity, size)
+            self._mm = mmap.mmap(fd, self._capacity, mmap.MAP_SHARED)
         anchor = ctypes.c_char.from_buffer(self._mm)
         self._address = ctypes.addressof(anchor)
         del anchor  # release the buffer export at once, or close() could never unmap
@@ -126,6 +145,9 @@ class HostMemory:
     def close(self) -> None:
         """Unmap now, or when the last surviving view is collected. Idempotent; never raises."""
         mm, self._mm = self._mm, None
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
         if mm is not None:
             try:
                 mm.close()

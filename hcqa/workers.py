@@ -1,0 +1,408 @@
+"""Pipelines across worker processes: shared-memory signals and buffers, no spinning.
+
+Theory of operation
+-------------------
+:func:`open_process_pipeline` starts one worker process per stage (``python -m
+hcqa.workers``), each owning its own ``cpu:0`` device, and connects to each with a
+Unix socketpair. Everything the stages share is created by the coordinator and
+*handed over as fds* (``hcqa.ipc``): per slot, the stage buffers (memfds, so the
+output of stage ``i`` is the very memory stage ``i + 1`` reads), and the timeline
+signals that order them:
+
+* ``fed``: items whose input the coordinator has copied in;
+* ``done{i}``: items stage ``i`` has finished;
+* ``drained``: items whose output the coordinator has copied out.
+
+Worker ``i`` runs item ``k`` in slot ``k % depth`` as one queue batch:
+``wait(in_ready, k)``, ``wait(out_free, k - depth)``, ``exec(stage)``,
+``signal(done{i}, k)`` -- the waits park on eventfds, so an idle worker costs no
+CPU, and nothing but signal writes crosses processes per item. Every process
+sleeps on its own eventfd of a signal; at set-up the coordinator collects them and
+gives each participant the others' as peers, so a value written anywhere wakes
+everyone.
+
+A worker that dies closes its socket: the coordinator's watcher breaks the
+pipeline's signals with a :class:`~hcqa.errors.DeviceFault`, so callers fail fast
+instead of hanging. Closing sends ``stop``, waits for each worker to exit (killing
+it after a grace period) and closes every fd; memfds vanish with their last fd.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa.devices.base import Device
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.opening import open_device
+from hcqa.errors import DeviceFault, InvalidCommand
+from hcqa.ipc import PeerGone, attach_signal, check_peer, offer_signal, recv_message, send_message
+from hcqa.signals import Signal
+from hcqa.variables import Variable
+
+__all__ = ["ProcessPipeline", "ProcessStage", "open_process_pipeline"]
+
+
+@attrs.frozen(kw_only=True)
+class ProcessStage:
+    """A stage run in its own process: ``fn(out, inp)`` named as ``"module:function"``."""
+
+    fn: str
+    out_shape: tuple[int, ...] | None = None
+    out_dtype: str | None = None
+
+
+def _load(ref: str) -> Callable[..., Any]:
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise InvalidCommand(f"a stage must be named 'module:function' (got {ref!r})")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise InvalidCommand(f"stage {ref!r} must name a callable (got {type(obj).__name__})")
+    return obj  # type: ignore[no-any-return]
+
+
+@attrs.define(eq=False)
+class _Worker:
+    index: int
+    process: trio.Process
+    sock: trio.socket.SocketType
+    pid: int = 0
+
+
+class ProcessPipeline:
+    """Microbatches through stages in worker processes: ``await pipe(x)``."""
+
+    def __init__(
+        self,
+        device: Device,
+        stages: Sequence[ProcessStage],
+        *,
+        in_shape: tuple[int, ...],
+        dtype: npt.DTypeLike,
+        depth: int,
+    ) -> None:
+        self.device = device
+        self.stages = tuple(stages)
+        self.depth = depth
+        self.in_shape = tuple(in_shape)
+        self.dtype = np.dtype(dtype)
+        self.shapes: list[tuple[tuple[int, ...], np.dtype[Any]]] = [(self.in_shape, self.dtype)]
+        for s in self.stages:
+            shape, dt = self.shapes[-1]
+            self.shapes.append(
+                (tuple(s.out_shape) if s.out_shape else shape, np.dtype(s.out_dtype or dt))
+            )
+        # buffers[j][slot]: the input of stage j (j = len(stages): the final output)
+        self.buffers: list[list[Buffer]] = [
+            [device.alloc(shape=shape, dtype=dt, shared=True) for _ in range(depth)]
+            for shape, dt in self.shapes
+        ]
+        n = len(self.stages)
+        self.signals: dict[str, Signal] = {
+            "fed": Signal(name="fed"),
+            "drained": Signal(name="drained"),
+        }
+        for i in range(n):
+            self.signals[f"done{i}"] = Signal(name=f"done{i}")
+        self.workers: list[_Worker] = []
+        self._next = 0
+        self._drained: set[int] = set()
+        self._limit = trio.Semaphore(depth)
+        self._k = Variable("k", 0, 2**62)
+        self._feed = device.copy_queue().signal(self.signals["fed"], self._k)
+        self.fault: DeviceFault | None = None
+        self.completed = 0
+
+    def _stage_signals(self, i: int) -> list[str]:
+        n = len(self.stages)
+        inp = "fed" if i == 0 else f"done{i - 1}"
+        free = "drained" if i == n - 1 else f"done{i + 1}"
+        return [inp, free, f"done{i}"]
+
+    async def _connect(self, worker: _Worker) -> list[int]:
+        """Phase 1: hand the worker its buffers and signals; returns its eventfds."""
+        i = worker.index
+        fds: list[int] = []
+        bufs = []
+        for j in (i, i + 1):
+            for b in self.buffers[j]:
+                fd, meta = b.export()
+                fds.append(fd)
+                bufs.append(meta)
+        sigs = []
+        for name in self._stage_signals(i):
+            meta, sfds = offer_signal(self.signals[name])
+            sigs.append(meta)
+            fds.extend(sfds)
+        header = {
+            "op": "setup",
+            "stage": self.stages[i].fn,
+            "depth": self.depth,
+            "buffers": bufs,
+            "signals": sigs,
+        }
+        await send_message(worker.sock, header, fds)
+        reply, eventfds = await recv_message(worker.sock)
+        if reply.get("op") != "ready" or len(eventfds) != 3:
+            for fd in eventfds:
+                os.close(fd)
+            raise DeviceFault(f"worker {i} failed to set up: {reply.get('error', reply)}")
+        return eventfds
+
+    async def _mesh(self, eventfds: list[list[int]]) -> None:
+        """Phase 2: every participant of a signal gets the others' eventfds as peers."""
+        holders: dict[str, list[tuple[int, int]]] = {}
+        for w, fds in zip(self.workers, eventfds, strict=True):
+            for name, fd in zip(self._stage_signals(w.index), fds, strict=True):
+                holders.setdefault(name, []).append((w.index, fd))
+        for name, held in holders.items():
+            for _, fd in held:
+                self.signals[name].add_peer(fd)  # the coordinator wakes every worker copy
+        for w in self.workers:
+            send: list[int] = []
+            names: list[str] = []
+            for name in self._stage_signals(w.index):
+                for j, fd in holders[name]:
+                    if j != w.index:
+                        send.append(fd)
+                        names.append(name)
+            await send_message(w.sock, {"op": "peers", "names": names}, send)
+
+    async def _watch(self, worker: _Worker) -> None:
+        """Turn a worker's death (its socket closing) into a fault, never a hang."""
+        try:
+            while True:
+                await recv_message(worker.sock)
+        except (PeerGone, OSError):
+            pass
+        if self._closing:
+            return
+        fault = DeviceFault(
+            f"worker {worker.index} (pid {worker.pid}, stage {self.stages[worker.index].fn!r}) "
+            "died: its socket closed",
+            device=f"worker{worker.index}",
+        )
+        self.fault = fault
+        for sig in self.signals.values():
+            sig._break(fault)
+
+    _closing = False
+
+    async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Run one item through every stage process; returns the last stage's output."""
+        arr = np.asarray(x)
+        if arr.shape != self.in_shape or arr.dtype != self.dtype:
+            raise InvalidCommand(
+                f"pipeline input must be {self.dtype}{list(self.in_shape)} "
+                f"(got {arr.dtype}{list(arr.shape)})"
+            )
+        if self.fault is not None:
+            raise self.fault
+        async with self._limit:
+            self._next += 1
+            k = self._next
+            slot = k % self.depth
+            self.buffers[0][slot].copyin(arr)
+            self._feed.submit(var_vals={self._k: k})
+            await self.signals[f"done{len(self.stages) - 1}"].wait(k)
+            shape, dt = self.shapes[-1]
+            out = np.empty(shape, dt)
+            await self.buffers[-1][slot].copyout(out)
+            self._drained.add(k)
+            d = self.signals["drained"]
+            v = d.value
+            while v + 1 in self._drained:
+                v += 1
+                self._drained.discard(v)
+            if v != d.value:
+                d.value = v
+            self.completed += 1
+            return out
+
+
+async def _spawn(index: int) -> tuple[_Worker, socket.socket]:
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "hcqa.workers", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+        )
+    finally:
+        child.close()
+    sock = trio.socket.from_stdlib_socket(parent)
+    worker = _Worker(index=index, process=process, sock=sock)
+    worker.pid = check_peer(sock)
+    return worker, parent
+
+
+@asynccontextmanager
+async def open_process_pipeline(
+    stages: Sequence[ProcessStage | str],
+    *,
+    in_shape: tuple[int, ...],
+    dtype: npt.DTypeLike = "float32",
+    depth: int = 2,
+    grace: float = 5.0,
+) -> AsyncIterator[ProcessPipeline]:
+    """Start a worker process per stage and yield a :class:`ProcessPipeline` over them."""
+    if not stages:
+        raise InvalidCommand("a process pipeline needs at least one stage (got none)")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise InvalidCommand(f"'depth' must be an int >= 1 (got {depth!r})")
+    specs = [ProcessStage(fn=s) if isinstance(s, str) else s for s in stages]
+    async with open_device("cpu:0") as device:
+        pipe = ProcessPipeline(device, specs, in_shape=in_shape, dtype=dtype, depth=depth)
+        error: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    for i in range(len(specs)):
+                        worker, _ = await _spawn(i)
+                        pipe.workers.append(worker)
+                    eventfds = [await pipe._connect(w) for w in pipe.workers]
+                    await pipe._mesh(eventfds)
+                    for w in pipe.workers:
+                        nursery.start_soon(pipe._watch, w)
+                    yield pipe
+                except BaseException as exc:
+                    error = exc
+                pipe._closing = True
+                with trio.CancelScope(shield=True):
+                    await _stop(pipe, grace)
+                nursery.cancel_scope.cancel()
+        finally:
+            for w in pipe.workers:
+                w.sock.close()
+            for sig in pipe.signals.values():
+                sig.close()
+        if error is not None:
+            raise error
+
+
+async def _stop(pipe: ProcessPipeline, grace: float) -> None:
+    for w in pipe.workers:
+        try:
+            await send_message(w.sock, {"op": "stop"})
+        except (PeerGone, OSError):
+            pass
+    for w in pipe.workers:
+        with trio.move_on_after(grace):
+            await w.process.wait()
+        if w.process.returncode is None:
+            w.process.kill()
+            await w.process.wait()
+
+
+# -- the worker process -------------------------------------------------------------------
+
+
+async def _worker_main(fd: int) -> None:
+    raw = socket.socket(fileno=fd)
+    sock = trio.socket.from_stdlib_socket(raw)
+    check_peer(sock)
+    header, fds = await recv_message(sock)
+    try:
+        fn = _load(header["stage"])
+    except Exception as exc:
+        await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    depth = int(header["depth"])
+
+    class _Stop(Exception):
+        pass
+
+    try:
+        async with open_device("cpu:0") as device:
+            metas = header["buffers"]
+            buffers = [
+                device.import_buffer(
+                    bfd,
+                    m["nbytes"] + m["offset"],
+                    offset=m["offset"],
+                    dtype=m["dtype"],
+                    shape=m["shape"],
+                )
+                for bfd, m in zip(fds[: len(metas)], metas, strict=True)
+            ]
+            sfds = fds[len(metas) :]
+            sigs = [
+                attach_signal(m, sfds[2 * j : 2 * j + 2]) for j, m in enumerate(header["signals"])
+            ]
+            own = [os.dup(s.fd) for s in sigs]
+            await send_message(sock, {"op": "ready"}, own)
+            for efd in own:
+                os.close(efd)
+            peers, pfds = await recv_message(sock)
+            by_name = {s.name: s for s in sigs}
+            for name, pfd in zip(peers["names"], pfds, strict=True):
+                by_name[name].add_peer(pfd)
+            inp, free, done = sigs
+            prog = device.program(header["stage"], fn)
+            k = Variable("k", 1, 2**62)
+            f = Variable("free", 0, 2**62)
+            queues = [
+                device.compute_queue()
+                .wait(inp, k)
+                .wait(free, f)
+                .exec(prog, (buffers[depth + s], buffers[s]))
+                .signal(done, k)
+                for s in range(depth)
+            ]
+
+            async def run() -> None:
+                fences: list[Any] = []
+                item = 0
+                while True:
+                    item += 1
+                    if len(fences) >= depth:
+                        await fences.pop(0)
+                    q = queues[item % depth]
+                    fences.append(await q.submit_async({k: item, f: max(0, item - depth)}))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                while True:
+                    try:
+                        message, extra = await recv_message(sock)
+                    except PeerGone:
+                        break
+                    for e in extra:
+                        os.close(e)
+                    if message.get("op") == "stop":
+                        break
+                nursery.cancel_scope.cancel()
+            raise _Stop  # leave the device by an exception: pending batches are dropped
+    except _Stop:
+        pass
+
+
+def identity(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
+    """A sample stage: copy the input."""
+    np.copyto(out, inp)
+
+
+def add_one(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
+    """A sample stage: ``out = inp + 1``."""
+    np.add(inp, 1, out=out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    trio.run(_worker_main, int(args[0]))
+
+
+if __name__ == "__main__":
+    main()
