@@ -243,8 +243,8 @@ async def _spawn(index: int) -> tuple[_Worker, socket.socket]:
     finally:
         child.close()
     sock = trio.socket.from_stdlib_socket(parent)
-    worker = _Worker(index=index, process=process, sock=sock)
-    worker.pid = check_peer(sock)
+    check_peer(sock)
+    worker = _Worker(index=index, process=process, sock=sock, pid=process.pid)
     return worker, parent
 
 

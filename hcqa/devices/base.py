@@ -22,6 +22,7 @@ that instance; later enqueues raise it, later waits raise it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -84,6 +85,7 @@ class Device:
         self._cancelled = False
         self._hung = False
         self._started = False
+        self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
         self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
         self.copy = QueueActor(self, "copy", self._engine("copy"), capacity=queue_depth)
         self._queues = {"compute": self.compute, "copy": self.copy}
@@ -129,7 +131,11 @@ class Device:
         if isinstance(shape, int):
             shape = (shape,)
         n, dt, shp = typed_size(nbytes, dtype, shape)
-        mem = HostMemory(n, shareable=True) if shared else self.allocator.alloc(n)
+        if shared:
+            mem = HostMemory(n, shareable=True)
+            self._shared.add(mem)
+        else:
+            mem = self.allocator.alloc(n)
         return Buffer(self, mem, n, dtype=dt, shape=shp)
 
     def import_buffer(
@@ -148,6 +154,7 @@ class Device:
         shp = tuple(shape) if shape is not None else None
         n, dt, shp = typed_size(nbytes, dtype, shp)
         mem = HostMemory(offset + n, fd=fd)
+        self._shared.add(mem)
         whole = Buffer(self, mem, offset + n)
         return whole.view(offset, n, dtype=dt, shape=shp) if offset or dt is not None else whole
 
@@ -397,6 +404,8 @@ class Device:
             actor.signal.close()
             actor.engine.exited.close()
         self.allocator.close()
+        for mem in list(self._shared):
+            mem.close()
 
 
 def _describe(command: Any) -> str:

@@ -1,0 +1,194 @@
+"""Cross-process signals, buffers and pipelines (hcqa.ipc, hcqa.workers)."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal as os_signal
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import trio
+
+import hcqa
+from hcqa.ipc import attach_signal, check_peer, offer_signal, recv_message, send_message
+from hcqa.signals import Signal
+from hcqa.workers import open_process_pipeline
+
+
+def fd_count() -> int:
+    """Open fds, after warming what is created once per process (the signal slot page)."""
+    Signal().close()
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _child_attach_and_set(sock: socket.socket) -> None:
+    """Child process body (no trio after fork): attach to the offered signal, set it,
+    then wait -- sleeping in wait_sync -- for the parent's value."""
+    data, ancdata, _, _ = sock.recvmsg(4, socket.CMSG_SPACE(16))
+    fds = array.array("i")
+    for _level, _kind, payload in ancdata:
+        fds.frombytes(payload[: len(payload) - len(payload) % 4])
+    (length,) = struct.unpack("!I", data)
+    meta = json.loads(sock.recv(length))
+    sig = attach_signal(meta, list(fds))
+    body = b"{}"
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sig.fd]).tobytes())]
+    sock.sendmsg([struct.pack("!I", len(body)) + body], rights)
+    sig.value = 5  # wakes the parent's waiter through the peer eventfd
+    sig.wait_sync(7, timeout=10)  # set by the parent: wakes us through our own eventfd
+    sig.value = 8
+
+
+async def test_signal_shared_with_a_child_process_wakes_both_ways() -> None:
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 0
+        try:
+            parent.close()
+            _child_attach_and_set(child)
+        except BaseException:
+            code = 1
+        os._exit(code)
+    child.close()
+    sock = trio.socket.from_stdlib_socket(parent)
+    check_peer(sock)  # same user (a socketpair reports its creator's credentials)
+    sig = Signal(name="shared")
+    meta, fds = offer_signal(sig)
+    await send_message(sock, meta, fds)
+    _, (peer_fd,) = await recv_message(sock)
+    sig.add_peer(peer_fd)
+    with trio.fail_after(10):
+        await sig.wait(5)
+        sig.value = 7
+        await sig.wait(8)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    sock.close()
+    sig.close()
+
+
+async def test_shared_buffer_is_the_same_memory_in_another_process() -> None:
+    async with hcqa.open_device("cpu:0") as dev:
+        buf = dev.alloc(shape=(1024,), dtype="float64", shared=True)
+        await buf.copyin(np.arange(1024, dtype=np.float64))
+        fd, meta = buf.export()
+        assert meta["nbytes"] == 8192 and meta["dtype"] == np.dtype("float64").str
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            arr = np.frombuffer(memoryview(__import__("mmap").mmap(fd, 8192)), np.float64)
+            arr *= 2  # the parent sees this
+            os._exit(0)
+        os.waitpid(pid, 0)
+        out = np.empty(1024, np.float64)
+        await buf.copyout(out)
+        np.testing.assert_array_equal(out, np.arange(1024) * 2.0)
+        # importing through a duplicated fd gives a buffer on the same memory
+        other = dev.import_buffer(os.dup(fd), meta["nbytes"], dtype=meta["dtype"], shape=(1024,))
+        res = np.empty(1024, np.float64)
+        await other.copyout(res)
+        np.testing.assert_array_equal(res, out)
+
+
+async def test_only_shared_allocations_can_be_exported() -> None:
+    async with hcqa.open_device("cpu:0") as dev:
+        with pytest.raises(hcqa.InvalidCommand, match="shared=True"):
+            dev.alloc(64).export()
+
+
+async def test_process_pipeline_results_and_clean_teardown() -> None:
+    before = fd_count()
+    x = np.arange(16, dtype=np.float32)
+    async with open_process_pipeline(
+        ["hcqa.workers:add_one", "hcqa.workers:add_one"], in_shape=(16,), depth=3
+    ) as pipe:
+        pids = [w.pid for w in pipe.workers]
+        with trio.fail_after(30):
+            results = []
+            async with trio.open_nursery() as nursery:
+                for i in range(12):
+
+                    async def one(i: int = i) -> None:
+                        results.append((i, await pipe(x + i)))
+
+                    nursery.start_soon(one)
+        for i, y in results:
+            np.testing.assert_array_equal(y, x + i + 2)
+        assert pipe.completed == 12
+    for pid in pids:  # every worker has exited and was reaped
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    assert fd_count() == before
+
+
+async def test_teardown_with_4mib_batches_in_flight() -> None:
+    before = fd_count()
+    n = (4 << 20) // 4
+    x = np.ones(n, dtype=np.float32)
+    with trio.fail_after(30):
+        async with open_process_pipeline(
+            ["hcqa.workers:add_one", "hcqa.workers:identity"], in_shape=(n,), depth=2
+        ) as pipe:
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(pipe, x)
+                await trio.sleep(0)  # leave the block with batches in flight
+                nursery.cancel_scope.cancel()
+        start = trio.current_time()
+    assert trio.current_time() - start < 1.0
+    assert fd_count() == before
+
+
+async def test_a_killed_worker_becomes_a_device_fault_not_a_hang() -> None:
+    x = np.zeros(16, dtype=np.float32)
+    async with open_process_pipeline(
+        ["hcqa.workers:identity", "hcqa.workers:identity"], in_shape=(16,), depth=2
+    ) as pipe:
+        with trio.fail_after(10):
+            await pipe(x)
+        os.kill(pipe.workers[1].pid, os_signal.SIGKILL)
+        with trio.fail_after(10), pytest.raises(hcqa.DeviceFault, match="worker 1"):
+            await pipe(x)
+        with pytest.raises(hcqa.DeviceFault):  # sticky
+            await pipe(x)
+
+
+def test_memory_is_not_reachable_without_the_fds(tmp_path: object) -> None:
+    """Shared memory is anonymous (memfd) and close-on-exec: a process that was not
+    handed the fds has no name to open and inherits nothing."""
+
+    async def main() -> list[str]:
+        async with hcqa.open_device("cpu:0") as dev:
+            buf = dev.alloc(4096, shared=True)
+            fd, _ = buf.export()
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            assert target.startswith("/memfd:hcqa-buffer")
+            code = (
+                "import os\n"
+                "for f in os.listdir('/proc/self/fd'):\n"
+                "    try: print(os.readlink('/proc/self/fd/' + f))\n"
+                "    except OSError: pass\n"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            return out.stdout.splitlines()
+
+    links = trio.run(main)
+    assert not any("memfd:" in link for link in links), links
+    assert not any(name.startswith("hcqa") for name in os.listdir("/dev/shm"))
+
+
+async def test_bad_stage_names_are_reported() -> None:
+    with pytest.raises(hcqa.InvalidCommand):
+        async with open_process_pipeline([], in_shape=(4,)):
+            pass  # pragma: no cover
+    with trio.fail_after(20), pytest.raises(hcqa.DeviceFault, match="failed to set up"):
+        async with open_process_pipeline(["no_such_module:fn"], in_shape=(4,)):
+            pass  # pragma: no cover
