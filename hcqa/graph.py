@@ -84,10 +84,11 @@ class _Node:
             if isinstance(c, cmd.Exec):
                 return c.program.name
             if isinstance(c, cmd.Copy):
-                src, dest = c.src, c.dest
-                if getattr(src, "device", None) is not getattr(dest, "device", None):
-                    return "transfer" if not isinstance(src, cmd.HostMemoryRef) else "copyin"
-                return "copyout" if isinstance(dest, cmd.HostMemoryRef) else "copy"
+                if isinstance(c.dest, cmd.HostMemoryRef):
+                    return "copyout"
+                if isinstance(c.src, cmd.HostMemoryRef):
+                    return "copyin"
+                return "transfer" if c.src.device is not c.dest.device else "copy"
             if isinstance(c, cmd.Load):
                 return "load"
         return "queue"
@@ -155,6 +156,7 @@ class Graph:
             InvalidCommand("a fence returned while capturing can't be awaited: await the replay")
         )
         self._sink: QueueActor | None = None
+        self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
         # per allocation touched: (a buffer, last writer queue or None, queues reading since)
         self._final: list[tuple[Buffer, QueueActor | None, tuple[QueueActor, ...]]] = []
 
@@ -232,6 +234,7 @@ class Graph:
                 state[id(b._hazards)] = [node, []]
             for b in (*node.reads, *node.writes):
                 buffers.setdefault(id(b._hazards), b)
+        self._owners = list({id(b._owner): b._owner for b in buffers.values()}.values())
         for key, b in buffers.items():
             writer, readers = state[key]
             self._final.append(
@@ -246,6 +249,8 @@ class Graph:
         for nodes in order.values():
             k = 0
             for n in nodes:
+                if n.also:  # a cross-device transfer: the fan-out awaits its own point
+                    n.signals = True
                 if n.signals:
                     k += 1
                     sidx[n] = k
@@ -282,12 +287,6 @@ class Graph:
                 patches.append((len(template), "signal", sidx[n]))
                 template.append(None)
             if n.also:
-                if not n.signals:  # a cross-device transfer: give the fan-out a point to await
-                    n.signals = True
-                    nsig += 1
-                    sidx[n] = nsig
-                    patches.append((len(template), "signal", nsig))
-                    template.append(None)
                 transfers.append(sidx[n])
             for b in n.reads:
                 reads.setdefault(id(b._hazards), b)
@@ -397,6 +396,8 @@ class Graph:
         if not self._parts:
             raise InvalidCommand("this graph captured no work")
         bound = self._bind(var_vals)
+        for b in self._owners:
+            b._check()  # freed or closed since the capture: refuse before anything is sent
         resolved = self._batches(bound)
         for part, _, _ in resolved:
             part.actor.device._check_usable()

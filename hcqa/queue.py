@@ -188,7 +188,12 @@ class Queue:
 
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
         """Wait for room in the queue's channel, then submit (backpressure)."""
-        commands = self._resolve(var_vals)
+        from hcqa._capture import current_capture
+
+        if var_vals is None and current_capture() is not None:
+            commands = list(self._commands)  # a capture keeps the variables for replay
+        else:
+            commands = self._resolve(var_vals)
         while True:
             try:
                 fence = self.device._submit(

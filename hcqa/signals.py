@@ -348,10 +348,10 @@ class Signal:
 
     # -- the parking lot ----------------------------------------------------------------
 
-    def _raise_broken(self) -> None:
+    def _raise_broken(self, observe: bool = True) -> None:
         exc = self._broken
         assert exc is not None
-        if isinstance(exc, HcqaError):
+        if observe and isinstance(exc, HcqaError):
             exc.observed = True
         raise exc
 
@@ -453,13 +453,14 @@ class Signal:
         await trio.lowlevel.checkpoint_if_cancelled()
         await self._park(target)
 
-    async def _wait_limited(self, target: int, hang_limit: float | None, context: str) -> None:
+    async def _wait_limited(
+        self, target: int, hang_limit: float | None, context: str, *, observe: bool = True
+    ) -> None:
         """Wait, raising :class:`SignalTimeout` when the value makes no progress for
         ``hang_limit`` seconds (it is checked when the limit expires, so the error comes
         between one and two limits after the last progress)."""
         if hang_limit is None or math.isinf(hang_limit):
-            await self.wait(target)
-            return
+            hang_limit = math.inf
         if self.value >= target:
             await trio.lowlevel.checkpoint()
             return
@@ -467,7 +468,7 @@ class Signal:
         seen = self.value
         while True:
             with trio.move_on_after(hang_limit):
-                await self._park(target)
+                await self._park(target, observe)
                 return
             now = self.value
             if now == seen:
@@ -481,9 +482,12 @@ class Signal:
                 )
             seen = now
 
-    async def _park(self, target: int) -> None:
+    async def _park(self, target: int, observe: bool = True) -> None:
+        """Park until ``target`` is reached; raise the break error otherwise. Internal
+        waits (a queue waiting for another queue) pass ``observe=False``: raising the
+        error to them is not raising it to a user."""
         if self._closed:
-            self._raise_broken()
+            self._raise_broken(observe)
         waiter = _Waiter(target, trio_task=True)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
@@ -510,7 +514,7 @@ class Signal:
         finally:
             self._unregister(waiter)
         if self.value < target:
-            self._raise_broken()
+            self._raise_broken(observe)
 
     # -- waiting from threads ------------------------------------------------------------
 

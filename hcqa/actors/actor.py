@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from hcqa import commands as cmd
+from hcqa.actors import engine as _engine
 from hcqa.actors.engine import Engine
 from hcqa.errors import HcqaError
 from hcqa.signals import Signal
@@ -167,11 +168,15 @@ class QueueActor:
                 run = []
             self._waiting = True
             try:
-                await sig._wait_limited(target, self.device.hang_limit, f"{self.name} queue")
+                await sig._wait_limited(
+                    target, self.device.hang_limit, f"{self.name} queue", observe=False
+                )
             except HcqaError as exc:
                 self.device._fault(exc)
             finally:
                 self._waiting = False
+            if _engine.trace_hook is not None:  # tracing: a flow arrow into `run`'s first range
+                _engine.trace_hook.waited(self.engine, sig, target, run)
         if run:
             self.engine.put(run)
 

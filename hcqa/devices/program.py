@@ -217,6 +217,10 @@ class Program:
     ) -> float:
         """Run the program once and return its kernel time in seconds, from the device
         timestamps written just before and just after it."""
+        from hcqa._capture import current_capture
+
+        if current_capture() is not None:
+            raise InvalidCommand(f"{self.name!r}.timed() can't be captured: call the program")
         exec_ = self.validate(bufs, vals, global_size, local_size)
         start, end = Signal(name=f"{self.name} start"), Signal(name=f"{self.name} end")
         try:
