@@ -15,10 +15,11 @@ the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
 the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
 The three are ordered by the buffers' hazards, not by awaiting in between.
 
-Cancellation: cancelling a caller stops its wait at once. Its slot goes back
-to the pool immediately; the work already queued on it completes on the
-devices, and whatever next uses the slot is ordered after it by the same
-buffer hazards, so nothing is lost or overwritten early.
+Cancellation: cancelling a caller stops its wait at once. The work already
+queued on its slot completes on the devices; the slot (and its unit of
+``depth``) goes back to the pool only when that work is done, so cancelled
+callers can't pile up work beyond ``depth``. Failures in ``map`` raise the
+one ``DeviceFault`` (an ExceptionGroup only for several different errors).
 
 ``await pipe.map(xs)`` returns the results in order, with up to ``depth`` in flight.
 """
@@ -106,7 +107,7 @@ class Pipeline:
         self._cancelled = 0
         last = self.stages[-1]
         self.out_shape = last.out_shape or self._shape_after(len(self.stages) - 1)
-        self.out_dtype = np.dtype(last.out_dtype) if last.out_dtype is not None else self.dtype
+        self.out_dtype = self._slots[0].out.dtype
 
     # -- building --------------------------------------------------------------------
 
@@ -155,8 +156,8 @@ class Pipeline:
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one microbatch through every stage; returns the output array."""
         arr = self._check_input(x)
-        async with self._limit:
-            return await self._run(arr)
+        await self._limit.acquire()
+        return await self._run(arr)
 
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         arr = np.asarray(x)
@@ -167,36 +168,81 @@ class Pipeline:
             )
         return arr
 
+    def _actors(self, slot: _Slot) -> dict[Any, int]:
+        need: dict[Any, int] = {}
+        for a in [
+            slot.inp.device.copy,
+            *(p.actor for p in slot.graph._parts),
+            slot.out.device.copy,
+        ]:
+            need[a] = need.get(a, 0) + 1
+        return need
+
     async def _run(self, arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Holds one unit of self._limit; releases it (or hands it to a reclaimer)."""
         slot = self._free.pop()
+        handed_off = False
         try:
+            while True:
+                short = [
+                    a
+                    for a, k in self._actors(slot).items()
+                    if a.capacity - (a.sent - a.received) < k
+                ]
+                if not short:
+                    break
+                await short[0].wait_for_space()
             slot.inp.copyin(arr)
             slot.graph.submit()
             result = np.empty(self.out_shape, self.out_dtype)
-            await slot.out.copyout(result)
+            fence = slot.out.copyout(result)
+            try:
+                await fence
+            except trio.Cancelled:
+                self._cancelled += 1
+                if not fence.reached:
+                    handed_off = True
+                    trio.lowlevel.spawn_system_task(self._reclaim, slot, fence)
+                raise
             self._completed += 1
             return result
-        except trio.Cancelled:
-            self._cancelled += 1
-            raise
+        finally:
+            if not handed_off:
+                self._free.append(slot)
+                self._limit.release()
+
+    async def _reclaim(self, slot: _Slot, fence: Any) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await fence
+        except BaseException:
+            pass
         finally:
             self._free.append(slot)
+            self._limit.release()
 
     async def map(self, xs: Iterable[npt.ArrayLike]) -> list[npt.NDArray[Any]]:
         """``[await self(x) for x in xs]``, but with up to ``depth`` microbatches in flight."""
         arrays = [self._check_input(x) for x in xs]
         results: list[Any] = [None] * len(arrays)
+        errors: list[BaseException] = []
 
-        async def one(i: int, arr: npt.NDArray[Any]) -> None:
+        async def one(i: int, arr: npt.NDArray[Any], scope: trio.CancelScope) -> None:
             try:
                 results[i] = await self._run(arr)
-            finally:
-                self._limit.release()
+            except Exception as exc:
+                if all(exc is not e for e in errors):
+                    errors.append(exc)
+                scope.cancel()
 
         async with trio.open_nursery() as nursery:
             for i, arr in enumerate(arrays):
                 await self._limit.acquire()
-                nursery.start_soon(one, i, arr)
+                nursery.start_soon(one, i, arr, nursery.cancel_scope)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("pipeline microbatches failed", errors)  # type: ignore[type-var]
         return results
 
     def statistics(self) -> PipelineStatistics:
