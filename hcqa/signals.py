@@ -150,13 +150,15 @@ class _Waiter:
         self.thread = threading.get_ident()
         self.task: trio.lowlevel.Task | None = None
         self.token: trio.lowlevel.TrioToken | None = None
-        self.lock: threading.Lock | None = None
+        # A semaphore, not a lock: a wake that lands while the thread is not blocked
+        # leaves a count behind (a spurious wake-up the wait loop absorbs) instead of
+        # raising on a second release.
+        self.lock: threading.Semaphore | None = None
         if trio_task:
             self.task = trio.lowlevel.current_task()
             self.token = trio.lowlevel.current_trio_token()
         else:
-            self.lock = threading.Lock()
-            self.lock.acquire()
+            self.lock = threading.Semaphore(0)
 
 
 @attrs.frozen(kw_only=True)
@@ -487,8 +489,10 @@ class Signal:
         waits (a queue waiting for another queue) pass ``observe=False``: raising the
         error to them is not raising it to a user."""
         if self._closed:
+            await trio.lowlevel.cancel_shielded_checkpoint()
             self._raise_broken(observe)
         waiter = _Waiter(target, trio_task=True)
+        yielded = False
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             with self._lock:
@@ -502,6 +506,7 @@ class Signal:
         self._register(waiter)
         try:
             while not self._outcome(target):
+                yielded = True
                 if self._claim(waiter):
                     await trio.lowlevel.wait_readable(self._fd)
                     self._drain()
@@ -513,6 +518,8 @@ class Signal:
                     waiter.parked = False
         finally:
             self._unregister(waiter)
+        if not yielded:  # reached between the caller's check and ours: still schedule
+            await trio.lowlevel.cancel_shielded_checkpoint()
         if self.value < target:
             self._raise_broken(observe)
 
