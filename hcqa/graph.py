@@ -475,6 +475,7 @@ class Graph:
     # -- introspection -------------------------------------------------------------------
 
     def statistics(self) -> GraphStatistics:
+        """A frozen snapshot: nodes, queues, devices, waits kept/dropped, replays."""
         return GraphStatistics(
             nodes=len(self._nodes),
             queues=len(self._parts),

@@ -246,6 +246,7 @@ class Pipeline:
         return results
 
     def statistics(self) -> PipelineStatistics:
+        """A frozen snapshot: stages, depth, microbatches in flight, completed, cancelled."""
         return PipelineStatistics(
             stages=len(self.stages),
             depth=self.depth,

@@ -102,6 +102,7 @@ class Queue:
         return self._add(cmd.Timestamp(signal=signal))
 
     def memory_barrier(self) -> Self:
+        """Make earlier writes visible to later commands (a no-op on host memory)."""
         return self._add(cmd.MemoryBarrier())
 
     def exec(

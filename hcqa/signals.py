@@ -303,6 +303,7 @@ class Signal:
         return self._fd
 
     def statistics(self) -> SignalStatistics:
+        """A frozen snapshot: value, parked waiters, owner kind, broken/closed."""
         owner = self._owner
         kind = "none" if owner is None else ("task" if owner.task is not None else "thread")
         return SignalStatistics(
@@ -586,9 +587,12 @@ class Fence:
 
     @property
     def reached(self) -> bool:
+        """True once ``signal.value >= value`` (never blocks)."""
         return self.signal.value >= self.value
 
     async def wait(self) -> None:
+        """Wait for the fence (same as ``await fence``); raises SignalTimeout past the
+        device's hang limit with no progress, or the device's fault."""
         try:
             await self.signal._wait_limited(self.value, self.hang_limit, self.context)
         except SignalTimeout as exc:
@@ -598,9 +602,12 @@ class Fence:
             raise
 
     def __await__(self) -> Generator[Any, None, None]:
+        """``await fence``: see :meth:`wait`."""
         return self.wait().__await__()
 
     def wait_sync(self, timeout: float | None = None) -> None:
+        """Block this (non-trio) thread until the fence is reached; SignalTimeout after
+        ``timeout`` seconds."""
         self.signal.wait_sync(self.value, timeout)
 
     def __repr__(self) -> str:

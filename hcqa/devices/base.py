@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import numpy as np
@@ -40,6 +40,9 @@ from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal
+
+if TYPE_CHECKING:
+    from hcqa.queue import Queue
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -107,6 +110,7 @@ class Device:
 
     @property
     def closed(self) -> bool:
+        """True once the device's ``open_device`` block is being left."""
         return self._closed or self._closing
 
     @property
@@ -173,12 +177,14 @@ class Device:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
         return self._make_program(name, src, entry=entry, writes=writes, reads=reads)
 
-    def compute_queue(self) -> Any:
+    def compute_queue(self) -> Queue:
+        """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
         from hcqa.queue import Queue
 
         return Queue(self, "compute")
 
-    def copy_queue(self) -> Any:
+    def copy_queue(self) -> Queue:
+        """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
         from hcqa.queue import Queue
 
         return Queue(self, "copy")
@@ -193,6 +199,7 @@ class Device:
             self._raise_error()
 
     def statistics(self) -> DeviceStatistics:
+        """A frozen snapshot: timeline, queues, memory, fault and close state."""
         return DeviceStatistics(
             name=self.name,
             timeline_value=self.timeline.value,
