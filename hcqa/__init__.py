@@ -23,6 +23,7 @@ from hcqa.graph import Graph, GraphStatistics, capture
 from hcqa.pipeline import Pipeline, PipelineStatistics, Stage
 from hcqa.queue import Queue
 from hcqa.signals import Fence, Signal, SignalStatistics
+from hcqa.trace import Tracer
 from hcqa.variables import Variable
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "SignalStatistics",
     "SignalTimeout",
     "Stage",
+    "Tracer",
     "Variable",
     "capture",
     "open_device",

@@ -138,11 +138,193 @@ def _run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_demo(parser: argparse.ArgumentParser) -> None:
+    from hcqa import demo
+
+    demo.configure(parser)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from hcqa import demo
+
+    return demo.run(args)
+
+
+BENCHES = ("bench_signals", "bench_devices", "bench_graph", "bench_pipeline")
+
+
+def _configure_bench(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="short runs of every benchmark")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"only these ({', '.join(BENCHES)}; default all)"
+    )
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    """Run each ``bench/bench_*.py`` of the checkout; one combined table of their rows.
+
+    A module's ``rows(quick) -> list[dict]`` goes into the table; a module without it runs
+    through its ``cli(argv)`` or ``main`` and prints its own report (noted in the table)."""
+    import inspect
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench").is_dir():
+        raise CliError(f"hcqa bench needs the repository checkout (no bench/ in {root})")
+    unknown = [n for n in args.names if n not in BENCHES and f"bench_{n}" not in BENCHES]
+    if unknown:
+        raise CliError(f"unknown benchmark {unknown[0]!r} (known: {', '.join(BENCHES)})")
+    wanted = [n if n in BENCHES else f"bench_{n}" for n in args.names] or list(BENCHES)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    table: list[dict[str, object]] = []
+    failed = False
+    for name in wanted:
+        if not (root / "bench" / f"{name}.py").is_file():
+            table.append({"bench": name, "case": "(not in this checkout)"})
+            continue
+        _out(f"== {name}{' --quick' if args.quick else ''}")
+        sys.stdout.flush()
+        try:
+            mod: Any = importlib.import_module(f"bench.{name}")
+            if hasattr(mod, "rows"):
+                table += [{"bench": name, **row} for row in mod.rows(args.quick)]
+                continue
+            if hasattr(mod, "cli"):
+                mod.cli(["--quick"] if args.quick else [])
+            elif inspect.iscoroutinefunction(getattr(mod, "main", None)):
+                run_trio(mod.main, args.quick)
+            else:
+                mod.main(["--quick"] if args.quick else [])
+            table.append({"bench": name, "case": "(its report is printed above)"})
+        except (Exception, SystemExit) as exc:
+            failed = failed or not (isinstance(exc, SystemExit) and exc.code in (0, None))
+            line = str(exc).splitlines()[0] if str(exc) else ""
+            table.append({"bench": name, "case": f"failed: {type(exc).__name__}: {line}"})
+    headers = list(dict.fromkeys(k for row in table for k in row))
+    cells = [[str(row.get(h, "")) for h in headers] for row in table]
+    _out()
+    _out("| " + " | ".join(headers) + " |")
+    _out("|" + "|".join("---" for _ in headers) + "|")
+    for cell_row in cells:
+        _out("| " + " | ".join(cell_row) + " |")
+    return 1 if failed else 0
+
+
+def run_trio(async_fn: Callable[..., Any], *args: Any) -> Any:
+    """``trio.run(async_fn, *args)`` with ``hcqa.Tracer($HCQA_TRACE)`` when that is set.
+
+    CLI commands that run trio call this, so ``HCQA_TRACE=t.json hcqa ...`` traces them."""
+    import trio
+
+    from hcqa.trace import instruments_from_env
+
+    instruments = instruments_from_env()
+    try:
+        return trio.run(async_fn, *args, instruments=instruments)
+    finally:
+        for tracer in instruments:
+            _out(f"{PROG}: trace written to {getattr(tracer, 'path', '?')}", sys.stderr)
+
+
+def _configure_trace(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    summary = sub.add_parser("summary", help="per-device busy %%, per-program times, bandwidth")
+    summary.add_argument("file", help="a trace JSON file written by hcqa.Tracer")
+    plot = sub.add_parser("plot", help="draw a timeline PNG (needs matplotlib)")
+    plot.add_argument("file", help="a trace JSON file written by hcqa.Tracer")
+    plot.add_argument("-o", "--output", default=None, help="the PNG to write (default FILE.png)")
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    from hcqa import trace
+
+    try:
+        doc = trace.load(args.file)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read trace {args.file!r}: {exc}") from exc
+    if args.action == "summary":
+        _out(trace.summarize(doc))
+        return 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError("trace plot needs matplotlib: pip install 'hcqa[plot]'") from None
+    out = args.output or f"{os.path.splitext(args.file)[0]}.png"
+    trace.plot(doc, out)
+    _out(f"wrote {out}")
+    return 0
+
+
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    parser.add_argument("--batch", type=int, default=32, help="rows per request")
+    parser.add_argument("--width", type=int, default=256, help="MLP width")
+    parser.add_argument("--depth", type=int, default=2, help="microbatches in flight")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Serve a demo 2-stage MLP (cpu:0 -> cpu:1, random weights) over HTTP until Ctrl-C."""
+    import functools
+    import importlib.util
+
+    if importlib.util.find_spec("hypercorn") is None:
+        raise CliError("hcqa serve needs hypercorn: pip install 'hcqa[serve]'")
+    import trio
+
+    import hcqa
+    from hcqa.serve import mlp_pipeline, serve
+
+    async def main() -> None:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            pipe = await mlp_pipeline(d0, d1, batch=args.batch, width=args.width, depth=args.depth)
+            async with trio.open_nursery() as nursery:
+                start = functools.partial(serve, pipe, host=args.host, port=args.port)
+                port = await nursery.start(start)
+                _out(f"{PROG}: serving {pipe} on http://{args.host}:{port} (Ctrl-C stops)")
+                _out(
+                    f'  POST /infer  float32{list(pipe.in_shape)} as JSON {{"inputs": ...}} '
+                    "or raw little-endian bytes; GET /health, GET /stats"
+                )
+
+    try:
+        run_trio(main)
+    except BaseExceptionGroup as group:  # the nursery wraps Ctrl-C or a startup error
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from None
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        raise leaf from None
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "info": Command(
         help="print versions, the C compiler and the available devices",
         configure=_configure_info,
         run=_run_info,
+    ),
+    "demo": Command(
+        help="run an MLP as a 2-stage pipeline over cpu:0 and cpu:1; check it, time it, trace it",
+        configure=_configure_demo,
+        run=_run_demo,
+    ),
+    "bench": Command(
+        help="run the benchmarks under bench/ (repository checkout) and print one table",
+        configure=_configure_bench,
+        run=_run_bench,
+    ),
+    "trace": Command(
+        help="read a trace written by hcqa.Tracer: 'summary FILE' or 'plot FILE -o OUT.png'",
+        configure=_configure_trace,
+        run=_run_trace,
+    ),
+    "serve": Command(
+        help="serve a demo 2-stage MLP (cpu:0 -> cpu:1) over HTTP: /infer, /health, /stats",
+        configure=_configure_serve,
+        run=_run_serve,
     ),
 }
 

@@ -39,6 +39,11 @@ __all__ = ["Engine"]
 
 Handler = Callable[[Any], None]
 
+# Tracing hook (set by hcqa/trace.py while a Tracer records device activity, else None).
+# The engine reads it once per run: ``trace_hook.engine_run(engine, run, table)`` returns
+# the handler table to use for that run (the same handlers, wrapped to record time ranges).
+trace_hook: Any = None
+
 
 class Engine:
     """A thread that executes runs of commands for one queue.
@@ -95,10 +100,12 @@ class Engine:
     # -- the thread ----------------------------------------------------------------------
 
     def _main(self) -> None:
-        inbox, table = self._inbox, self._table
+        inbox, handlers = self._inbox, self._table
         stopped = False
         try:
             while (run := inbox.get()) is not None:
+                hook = trace_hook  # tracing: one global read per run
+                table = handlers if hook is None else hook.engine_run(self, run, handlers)
                 for command in run:
                     error = self._error_of()
                     if error is not None:

@@ -1,0 +1,450 @@
+"""Tracing: trio task steps and device work in one Chrome-trace (Perfetto) JSON file.
+
+Theory of operation
+-------------------
+A :class:`Tracer` is a ``trio.abc.Instrument`` (``trio.run(main, instruments=[t])``,
+``trio.lowlevel.add_instrument`` or ``with Tracer(path):`` in a run). It records raw
+ns tuples on one clock (``time.monotonic_ns``, as ``Signal.timestamp``), turned into
+JSON when the file is written:
+
+* **trio tasks** (pid 1 "trio", a track per task, cat ``"trio"``): one complete event
+  (``ph: "X"``) per task step, ``before_task_step`` to ``after_task_step``, and
+  instants at spawn and exit. Steps run one at a time, so they never overlap.
+* **device work** (a pid per device, a track per queue, cat ``"device"``): an active
+  tracer is ``hcqa.actors.engine.trace_hook``, which an engine reads once per run of
+  commands (the whole cost when off). When set, that run goes through the engine's
+  handler table wrapped by the track's ``record``, which reads the clock right before
+  and after every kernel, copy, load or native run (a fused ``RunC`` is one range,
+  ``native[add1 x100]``, names and count in ``args``) and adds the event with one
+  ``append``/``extend`` (atomic under the GIL). Each engine's ranges are sequential.
+* **signal waits** (flows ``s``/``f``): before an engine runs ``Signal(sig, v)`` it
+  maps (sig, v) to its last range. A queue actor that *awaited* a Wait asks the
+  tracer (``waited``): a producer on another track becomes a pending flow of the run
+  the actor hands over next, and that engine emits the ``s`` (middle of the
+  producer's range) with the ``f`` (middle of its own first range of the run), so
+  every ``s`` has its later ``f``. A run with no range drops its pending flows.
+
+Past ``max_events`` events are dropped and counted (``otherData.dropped_events``).
+``save()`` (and ``after_run``) writes the file and stops device recording; a later
+trio hook of a still-installed tracer resumes it. One tracer records device work at
+a time. ``summarize``/``plot`` read a trace back (``hcqa trace summary|plot``);
+``instruments_from_env()`` is ``[Tracer($HCQA_TRACE)]`` or ``[]``, for ``trio.run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import trio
+
+from hcqa import commands as cmd
+from hcqa.actors import engine as _engine
+
+__all__ = ["Tracer", "instruments_from_env", "load", "plot", "summarize"]
+
+_now = time.monotonic_ns
+_BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step})
+_PRODUCED_CAP = 4096  # remembered (signal, value) -> producer range entries
+TRIO_PID = 1  # not 0: Perfetto treats pid 0 as the kernel's swapper
+Span = tuple[int, int, int, int]  # pid, tid, t0 ns, t1 ns
+
+
+class _Track:
+    """One engine's track and state (``last``, ``pending``: touched by its thread only)."""
+
+    __slots__ = ("base", "cap", "events", "last", "pending", "pid", "table", "tid", "tracer")
+
+    def __init__(self, tracer: Tracer, pid: int, tid: int) -> None:
+        self.tracer, self.pid, self.tid = tracer, pid, tid
+        self.events, self.cap = tracer._events, tracer.max_events
+        self.last: tuple[Any, ...] | None = None  # the event of the last range this engine ran
+        self.pending: list[Span] | None = None  # producers of flows into the next range
+        self.base: dict[type, _engine.Handler] | None = None  # the engine's handler table
+        self.table: dict[type, _engine.Handler] = {}  # ... with each handler wrapped in record
+
+    def record(self, handler: _engine.Handler, command: Any) -> None:
+        kind = type(command)
+        if kind in _BOOKKEEPING:
+            if kind is cmd.Signal and self.last is not None:
+                self.tracer._produced_by(command.signal, command.value, self.last)
+            handler(command)
+            return
+        t0 = _now()
+        try:
+            handler(command)
+        except BaseException as exc:
+            self.tracer._range(self, command, t0, _now(), type(exc).__name__)
+            raise
+        t1 = _now()
+        if self.pending is None and kind is cmd.Exec and not command.vals:  # the common case
+            name = command.program.name
+            self.last = ev = ("X", self.pid, self.tid, t0, t1 - t0, name, "device", None)
+            if len(self.events) < self.cap:
+                self.events.append(ev)
+            else:
+                self.tracer.dropped += 1
+        else:
+            self.tracer._range(self, command, t0, t1, None)
+
+
+class Tracer(trio.abc.Instrument):
+    """Records trio task steps and device ranges; writes Chrome Trace Event JSON to ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_events: int = 500_000) -> None:
+        self.path = os.fspath(path)
+        self.max_events = max_events
+        self.dropped = 0
+        self._origin = _now()
+        self._events: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+        self._on = False
+        self._tids = itertools.count(1)
+        self._flow_ids = itertools.count(1)
+        self._pids: dict[str, int] = {}
+        self._threads: list[tuple[int, int, str]] = []
+        self._engines: dict[Any, _Track] = {}
+        self._produced: dict[tuple[Any, int], Span] = {}
+        self._flows: dict[int, tuple[list[Any], list[Span]]] = {}
+        self._native: dict[tuple[str, ...], tuple[str, dict[str, Any]]] = {}
+        self._tasks: dict[trio.lowlevel.Task, tuple[int, str]] = {}
+        self._step_t0 = 0
+        self._exiting: trio.lowlevel.Task | None = None
+
+    def start(self) -> None:
+        """Start recording device activity (called by the trio hooks)."""
+        if self._on:
+            return
+        self._on = True
+        if _engine.trace_hook is None:
+            _engine.trace_hook = self
+        elif _engine.trace_hook is not self:
+            msg = "another hcqa.Tracer is recording device activity; this one records trio only"
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def stop(self) -> None:
+        """Stop recording device activity (``save`` does this)."""
+        self._on = False
+        if _engine.trace_hook is self:
+            _engine.trace_hook = None
+
+    def __enter__(self) -> Tracer:
+        trio.lowlevel.add_instrument(self)
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(KeyError):  # trio removed it already (a hook raised)
+            trio.lowlevel.remove_instrument(self)
+        self.save()
+
+    def before_run(self) -> None:
+        self.start()
+
+    def after_run(self) -> None:
+        self.save()
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self._instant(task, "spawned")
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        self._instant(task, "exited")
+        self._exiting = task  # trio calls after_task_step for its last step after this
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if not self._on:
+            self.start()
+        self._step_t0 = _now()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        t0, t1 = self._step_t0, _now()
+        self._step_t0 = 0
+        if t0 and self._room(1):
+            tid, label = self._task(task)
+            self._events.append(("X", TRIO_PID, tid, t0, t1 - t0, label, "trio", None))
+        if self._exiting is task:
+            self._exiting = None
+            self._tasks.pop(task, None)
+
+    def _instant(self, task: trio.lowlevel.Task, what: str) -> None:
+        if self._room(1):
+            tid, _ = self._task(task)
+            self._events.append(("i", TRIO_PID, tid, _now(), 0, what, "trio", None))
+
+    def _task(self, task: trio.lowlevel.Task) -> tuple[int, str]:
+        entry = self._tasks.get(task)
+        if entry is None:
+            entry = self._tasks[task] = (next(self._tids), _task_label(task))
+            self._threads.append((TRIO_PID, *entry))
+        return entry
+
+    def _room(self, n: int) -> bool:
+        if len(self._events) + n <= self.max_events:
+            return True
+        self.dropped += n  # approximate when several threads race: a counter, not a ledger
+        return False
+
+    def engine_run(self, engine: Any, run: list[Any], table: dict[type, _engine.Handler]) -> Any:
+        """Called by an engine thread before each run: its handler table, wrapped to record."""
+        track = self._engines.get(engine) or self._track(engine)
+        entry = None
+        if self._flows:
+            with self._lock:
+                entry = self._flows.pop(id(run), None)
+        track.pending = entry[1] if entry is not None and entry[0] is run else None
+        if track.base is not table:
+            track.base, track.table = table, {k: partial(track.record, h) for k, h in table.items()}
+        return track.table
+
+    def waited(self, engine: Any, signal: Any, value: int, run: list[Any]) -> None:
+        """A queue actor awaited ``signal >= value``; its next commands go to ``run``."""
+        src = self._produced.get((signal, value))  # a dict read: atomic under the GIL
+        if src is None:
+            return
+        track = self._engines.get(engine) or self._track(engine)
+        if (src[0], src[1]) == (track.pid, track.tid):
+            return  # same queue: no arrow
+        with self._lock:  # keeping `run` referenced keeps its id unique until the engine pops it
+            self._flows.setdefault(id(run), (run, []))[1].append(src)
+
+    def _track(self, engine: Any) -> _Track:
+        with self._lock:
+            track = self._engines.get(engine)
+            if track is not None:
+                return track
+            name: str = engine.name
+            device = name.rpartition(" ")[0] or name
+            pid = self._pids.setdefault(device, len(self._pids) + TRIO_PID + 1)
+            track = self._engines[engine] = _Track(self, pid, next(self._tids))
+            self._threads.append((pid, track.tid, name))  # a device opened again: a new track
+            return track
+
+    def _produced_by(self, signal: Any, value: int, ev: tuple[Any, ...]) -> None:
+        with self._lock:  # (signal, value) -> the producer's range (pid, tid, t0, t1)
+            produced = self._produced
+            produced[(signal, value)] = (ev[1], ev[2], ev[3], ev[3] + ev[4])
+            if len(produced) > _PRODUCED_CAP:
+                del produced[next(iter(produced))]
+
+    def _range(self, track: _Track, command: Any, t0: int, t1: int, error: str | None) -> None:
+        name, args = self._describe(command)
+        if error is not None:
+            args = {**(args or {}), "error": error}
+        track.last = ev = ("X", track.pid, track.tid, t0, t1 - t0, name, "device", args)
+        new: list[tuple[Any, ...]] = [ev]
+        for src in track.pending or ():
+            fid = next(self._flow_ids)
+            new.append(("s", src[0], src[1], (src[2] + src[3]) // 2, fid, "wait", "device", None))
+            new.append(("f", track.pid, track.tid, (t0 + t1) // 2, fid, "wait", "device", None))
+        track.pending = None
+        if self._room(len(new)):
+            self._events.extend(new)
+
+    def _describe(self, c: Any) -> tuple[str, dict[str, Any] | None]:
+        kind = type(c)
+        if kind is cmd.Exec:
+            return c.program.name, ({"vals": list(c.vals)} if c.vals else None)
+        if kind is cmd.Copy:
+            src, dest = getattr(c.src, "device", None), getattr(c.dest, "device", None)
+            if src is not None and dest is not None and src is not dest:
+                return "transfer", {"bytes": c.nbytes, "src": src.name, "dest": dest.name}
+            what = "copyin" if src is None else "copyout" if dest is None else "copy"
+            return "copy", {"bytes": c.nbytes, "kind": what}
+        if kind is cmd.Load:
+            return "load", {"bytes": c.nbytes, "path": c.path}
+        names = getattr(c, "names", None)
+        if isinstance(names, tuple):  # a native runner (crunner.RunC)
+            known = self._native.get(names)
+            if known is None:
+                counts = {n: names.count(n) for n in dict.fromkeys(names)}
+                label = f"native[{'+'.join(counts)} x{len(names)}]"
+                known = self._native[names] = (label, {"kernels": len(names), "names": counts})
+            return known
+        return kind.__name__, None
+
+    def save(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Write the trace now (to ``path`` or the tracer's path); returns the path."""
+        self.stop()
+        events = self._events[:]  # one atomic snapshot; tracks only grow, so read them after
+        out: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+            for pid, name in [(TRIO_PID, "trio"), *((p, n) for n, p in list(self._pids.items()))]
+        ]
+        out += [
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            for pid, tid, name in list(self._threads)
+        ]
+        origin = self._origin
+        extra = {"X": "dur", "i": "s", "s": "id", "f": "id"}
+        for ph, pid, tid, t, x, name, cat, args in events:
+            e = {"ph": ph, "name": name, "cat": cat, "pid": pid, "tid": tid}
+            e["ts"] = (t - origin) / 1000
+            e[extra[ph]] = x / 1000 if ph == "X" else "t" if ph == "i" else x
+            if ph == "f":
+                e["bp"] = "e"  # bind to the enclosing range, like the "s"
+            if args:
+                e["args"] = args
+            out.append(e)
+        other = {"clock": "CLOCK_MONOTONIC", "origin_ns": origin, "dropped_events": self.dropped}
+        doc = {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
+        target = os.fspath(path) if path is not None else self.path
+        tmp = f"{target}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, target)
+        return target
+
+
+def _task_label(task: trio.lowlevel.Task) -> str:
+    """The task's name; a queue actor's task is named after its queue."""
+    if task.name.endswith("QueueActor.run"):
+        frame = getattr(task.coro, "cr_frame", None)
+        actor = frame.f_locals.get("self") if frame is not None else None
+        if actor is not None:
+            return f"{actor.name} actor"
+    return task.name
+
+
+def instruments_from_env(environ: Mapping[str, str] | None = None) -> list[trio.abc.Instrument]:
+    """``[Tracer($HCQA_TRACE)]`` when HCQA_TRACE names a file, else ``[]`` (for ``trio.run``)."""
+    path = (os.environ if environ is None else environ).get("HCQA_TRACE", "").strip()
+    return [Tracer(path)] if path else []
+
+
+# -- reading traces back -------------------------------------------------------------------
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a trace file; ValueError if it is not a Chrome trace (object form)."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise ValueError(f"{os.fspath(path)!r} is not a Chrome trace (no traceEvents list)")
+    return doc
+
+
+def _meta(events: list[dict[str, Any]]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
+    """(process names by pid, thread names by (pid, tid)) from the metadata events."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+    return procs, threads
+
+
+def _busy(ranges: list[tuple[float, float]]) -> float:
+    """Total time covered by the union of (ts, dur) ranges."""
+    total, end = 0.0, float("-inf")
+    for ts, dur in sorted(ranges):
+        total += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+    return total
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned text columns: the first two left-aligned, the numbers right-aligned."""
+    w = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    pad = [str.ljust, str.ljust] + [str.rjust] * (len(w) - 2)
+    return ["  ".join(pad[i](c, w[i]) for i, c in enumerate(r)) for r in [header, *rows]]
+
+
+def summarize(doc: Mapping[str, Any]) -> str:
+    """Per-device busy %, per-program count / total / mean, copy bandwidth, as text."""
+    events: list[dict[str, Any]] = doc["traceEvents"]
+    procs, threads = _meta(events)
+    ranges = [e for e in events if e.get("ph") == "X"]
+    if not ranges:
+        return "no ranges in this trace"
+    start = min(e["ts"] for e in ranges)
+    span = max(e["ts"] + e["dur"] for e in ranges) - start
+    dropped = doc.get("otherData", {}).get("dropped_events", 0)
+    lines = [f"span {span / 1000:.3f} ms, {len(ranges)} ranges, {dropped} events dropped", ""]
+    device = [e for e in ranges if e.get("cat") == "device"]
+    tracks: dict[Any, list[tuple[float, float]]] = {}
+    for e in device:  # per queue, and per device (the key is just the pid)
+        for k in ((e["pid"], e["tid"]), e["pid"]):
+            tracks.setdefault(k, []).append((e["ts"], e["dur"]))
+    rows = []
+    for k in sorted(tracks, key=lambda k: (k, 0) if isinstance(k, int) else k):
+        pid, queue = (k, "(all)") if isinstance(k, int) else (k[0], threads.get(k, str(k[1])))
+        busy, dev = _busy(tracks[k]), procs.get(pid, str(pid))
+        pct = 100 * busy / span if span > 0 else 0.0
+        rows.append([dev, queue.rpartition(" ")[2], f"{busy / 1000:.3f}", f"{pct:.1f}"])
+    lines += [*_table(["device", "queue", "busy ms", "busy %"], rows), ""]
+    programs: dict[tuple[str, str], list[float]] = {}
+    moves: dict[tuple[str, str], list[float]] = {}
+    for e in device:
+        args, dev = e.get("args") or {}, procs.get(e["pid"], str(e["pid"]))
+        if "bytes" in args:
+            what = f"transfer {args['src']}->{args['dest']}" if "src" in args else None
+            acc = moves.setdefault((what or args.get("kind", e["name"]), dev), [0, 0.0, 0])
+            acc[2] += args["bytes"]
+        else:
+            acc = programs.setdefault((e["name"], dev), [0, 0.0])
+        acc[0] += 1
+        acc[1] += e["dur"]
+    rows = [
+        [name, dev, str(int(n)), f"{tot / 1000:.3f}", f"{tot / n:.2f}"]
+        for (name, dev), (n, tot) in sorted(programs.items(), key=lambda kv: -kv[1][1])
+    ]
+    lines += [*_table(["program", "device", "count", "total ms", "mean us"], rows), ""]
+    rows = [
+        [name, dev, str(int(n)), str(int(nb)), f"{tot / 1000:.3f}", f"{nb / tot / 1e3:.3f}"]
+        for (name, dev), (n, tot, nb) in sorted(moves.items())
+        if tot > 0
+    ]
+    lines += _table(["copy", "device", "count", "bytes", "total ms", "GB/s"], rows)
+    return "\n".join(lines)
+
+
+def plot(doc: Mapping[str, Any], out: str | os.PathLike[str], *, max_tasks: int = 12) -> None:
+    """Draw a timeline PNG: device queues, then the busiest trio tasks (needs matplotlib)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    events: list[dict[str, Any]] = doc["traceEvents"]
+    procs, threads = _meta(events)
+    ranges = [e for e in events if e.get("ph") == "X"]
+    t0 = min((e["ts"] for e in ranges), default=0.0)
+    ms: Callable[[dict[str, Any]], float] = lambda e: (e["ts"] - t0) / 1000  # noqa: E731
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    busy: Counter[Any] = Counter()
+    for e in ranges:
+        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+        busy[e["name"] if e.get("cat") == "device" else (e["pid"], e["tid"])] += e["dur"]
+    tasks = sorted((k for k in tracks if k[0] == TRIO_PID), key=lambda k: -busy[k])
+    keys = sorted(k for k in tracks if k[0] != TRIO_PID) + tasks[:max_tasks]
+    row = {k: i for i, k in enumerate(keys)}
+    cmap, colors = colormaps["tab20"], dict[str, Any]()
+    for e in ranges:
+        colors.setdefault(e["name"], cmap(len(colors) % 20))
+    fig = Figure(figsize=(12, 1.5 + 0.35 * max(1, len(keys))))
+    ax = fig.add_subplot()
+    for k, es in tracks.items():
+        if k in row:
+            spans = [(ms(e), max(e["dur"], 0.5) / 1000) for e in es]
+            ax.broken_barh(spans, (row[k] - 0.4, 0.8), facecolors=[colors[e["name"]] for e in es])
+    names = [threads.get(k, f"{procs.get(k[0], k[0])} {k[1]}") for k in keys]
+    ax.set_yticks(range(len(keys)), names, fontsize=8)
+    starts = {e["id"]: e for e in events if e.get("ph") == "s"}
+    arrow = {"arrowstyle": "->", "lw": 0.7, "color": "0.25"}
+    for f in [e for e in events if e.get("ph") == "f"][:300]:
+        s, to = starts.get(f["id"]), row.get((f["pid"], f["tid"]))
+        if s is not None and to is not None and (s["pid"], s["tid"]) in row:
+            frm = (ms(s), row[s["pid"], s["tid"]])
+            ax.annotate("", xy=(ms(f), to), xytext=frm, arrowprops=arrow)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms", title=f"hcqa trace: {len(ranges)} ranges")
+    if top := [n for n, _ in busy.most_common() if isinstance(n, str)][:10]:
+        ax.legend(handles=[Patch(color=colors[n], label=n) for n in top], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.fspath(out), dpi=100, format="png")
