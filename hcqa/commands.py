@@ -80,6 +80,9 @@ class Exec:
     vals: tuple[IntLike, ...] = ()
     global_size: Size3 = (1, 1, 1)
     local_size: Size3 = (1, 1, 1)
+    # For C kernels with concrete vals: the call's arguments (buffer addresses, then
+    # vals), computed once at validation so the engine does no per-call packing.
+    args: tuple[int, ...] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)

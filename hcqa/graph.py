@@ -42,7 +42,7 @@ cancel device work: the replay completes on the devices, which stay usable.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -167,8 +167,8 @@ class Graph:
         device: Device,
         actor: QueueActor,
         commands: list[Any],
-        reads: Sequence[Buffer],
-        writes: Sequence[Buffer],
+        reads: Iterable[Buffer],
+        writes: Iterable[Buffer],
         also: Sequence[Device],
     ) -> Fence:
         if self._built:

@@ -84,9 +84,7 @@ async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytes:
 async def recv_message(sock: trio.socket.SocketType) -> tuple[dict[str, Any], list[int]]:
     """Receive one header and its fds (the caller owns the fds)."""
     try:
-        data, ancdata, _flags, _addr = await sock.recvmsg(
-            _LEN.size, socket.CMSG_SPACE(MAX_FDS * 4)
-        )
+        data, ancdata, _flags, _addr = await sock.recvmsg(_LEN.size, socket.CMSG_SPACE(MAX_FDS * 4))
     except ConnectionResetError as exc:
         raise PeerGone("the peer reset the socket") from exc
     fds: list[int] = []

@@ -68,9 +68,11 @@ class Queue:
         self.kind = kind
         self._actor = device._queues[kind]
         self._commands: list[Any] = []
-        self._reads: list[Buffer] = []
-        self._writes: list[Buffer] = []
+        # buffers touched, one entry per allocation (views share their base's hazards)
+        self._reads: dict[int, Buffer] = {}
+        self._writes: dict[int, Buffer] = {}
         self._symbolic = False
+        self._waits = False
 
     # -- verbs ---------------------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class Queue:
         value = _intlike("value", value)
         if isinstance(value, int):
             _check_target(value)
+        self._waits = True
         return self._add(cmd.Wait(signal=signal, value=value), isinstance(value, _SYMBOLIC))
 
     def signal(self, signal: Signal, value: IntLike) -> Self:
@@ -129,8 +132,10 @@ class Queue:
             raise TypeError(f"exec() 'bufs' must be a tuple of buffers (got {type(bufs).__name__})")
         exec_ = prog.validate(bufs, vals, global_size, local_size)
         writes, reads = prog.access(len(exec_.buffers))
-        self._writes.extend(exec_.buffers[i] for i in writes)
-        self._reads.extend(exec_.buffers[i] for i in reads)
+        for i in writes:
+            self._touch(self._writes, exec_.buffers[i])
+        for i in reads:
+            self._touch(self._reads, exec_.buffers[i])
         symbolic = any(isinstance(v, _SYMBOLIC) for v in (*exec_.vals, *exec_.global_size))
         symbolic = symbolic or any(isinstance(v, _SYMBOLIC) for v in exec_.local_size)
         return self._add(exec_, symbolic)
@@ -151,10 +156,14 @@ class Queue:
         nbytes = _intlike("nbytes", nbytes)
         if isinstance(nbytes, int):
             _check_copy_size(nbytes, dest, src)
-        self._writes.append(dest)
-        self._reads.append(src)
+        self._touch(self._writes, dest)
+        self._touch(self._reads, src)
         command = cmd.Copy(dest=dest, src=src, nbytes=nbytes)
         return self._add(command, isinstance(nbytes, _SYMBOLIC))
+
+    @staticmethod
+    def _touch(seen: dict[int, Buffer], b: Buffer) -> None:
+        seen.setdefault(id(b._hazards), b)
 
     # -- submitting ----------------------------------------------------------------------
 
@@ -185,7 +194,13 @@ class Queue:
             commands = list(self._commands)  # a capture keeps the variables for replay
         else:
             commands = self._resolve(var_vals)
-        return self.device._submit(self._actor, commands, reads=self._reads, writes=self._writes)
+        return self.device._submit(
+            self._actor,
+            commands,
+            reads=self._reads.values(),
+            writes=self._writes.values(),
+            waits=self._waits,
+        )
 
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
         """Wait for room in the queue's channel, then submit (backpressure)."""
@@ -198,7 +213,11 @@ class Queue:
         while True:
             try:
                 fence = self.device._submit(
-                    self._actor, commands, reads=self._reads, writes=self._writes
+                    self._actor,
+                    commands,
+                    reads=self._reads.values(),
+                    writes=self._writes.values(),
+                    waits=self._waits,
                 )
             except QueueFull:
                 await self._actor.wait_for_space()
@@ -248,7 +267,8 @@ def _resolve_command(c: Any, var_vals: VarVals | None) -> Any:
             if any(d < 1 for d in dims):
                 raise InvalidCommand(f"{name!r} must be positive (got {dims})")
             sizes.append(dims)
-        return attrs.evolve(c, vals=vals, global_size=sizes[0], local_size=sizes[1])
+        args = c.program.c_args(c.buffers, vals)
+        return attrs.evolve(c, vals=vals, global_size=sizes[0], local_size=sizes[1], args=args)
     if t is cmd.Copy:
         if isinstance(c.nbytes, int):
             return c

@@ -95,15 +95,18 @@ class QueueActor:
     def full(self) -> bool:
         return self.sent - self.received >= self.capacity
 
-    def send_nowait(self, batch: Batch) -> None:
+    def send_nowait(self, batch: Batch, waits: bool | None = None) -> None:
         """Queue ``batch`` (the channel must have room: check ``full`` first).
 
         A batch without Waits sent to an idle actor -- nothing in its channel,
         not inside a batch -- goes straight to the engine: all the actor would do
-        is forward it, and the engine's FIFO keeps the order just the same."""
+        is forward it, and the engine's FIFO keeps the order just the same. ``waits``
+        says whether the batch holds a Wait, when the caller knows (else it is scanned)."""
         if self.sent == self.received and not self._busy and not self._closed:
             commands = batch.commands
-            if not any(type(c) is cmd.Wait for c in commands):
+            if waits is None:
+                waits = any(type(c) is cmd.Wait for c in commands)
+            if not waits:
                 self.engine.put(commands)
                 self.sent += 1
                 self.received += 1

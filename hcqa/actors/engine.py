@@ -48,8 +48,8 @@ trace_hook: Any = None
 class Engine:
     """A thread that executes runs of commands for one queue.
 
-    ``error_of()`` returns the device's sticky error (or None); ``on_fault(command,
-    exc)`` is called in the engine thread when a handler raises.
+    ``error`` is the device's sticky error (None while healthy); ``on_fault(command,
+    exc)`` is called in the engine thread when a handler raises, and must set it.
     """
 
     def __init__(
@@ -57,7 +57,6 @@ class Engine:
         name: str,
         handlers: dict[type, Handler],
         *,
-        error_of: Callable[[], BaseException | None],
         on_fault: Callable[[Any, BaseException], None],
     ) -> None:
         self.name = name
@@ -69,7 +68,9 @@ class Engine:
             cmd.Step: self._step,
             **handlers,
         }
-        self._error_of = error_of
+        # The device's sticky error (a fault, a hang, or "closed, cancelled"): set by the
+        # device from any thread, read once per command here. Once set, nothing runs.
+        self.error: BaseException | None = None
         self._on_fault = on_fault
         self.exited = Signal(name=f"{name} engine exit")
         self.executed = 0
@@ -107,7 +108,7 @@ class Engine:
                 hook = trace_hook  # tracing: one global read per run
                 table = handlers if hook is None else hook.engine_run(self, run, handlers)
                 for command in run:
-                    error = self._error_of()
+                    error = self.error
                     if error is not None:
                         self._skip(command, error)
                         continue
@@ -121,7 +122,7 @@ class Engine:
                         handler(command)
                     except BaseException as exc:
                         self._on_fault(command, exc)
-                        self._skip(command, self._error_of())
+                        self._skip(command, self.error)
                     self.executed += 1
             stopped = True
         finally:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -236,6 +236,8 @@ class Device:
             if self._error is not None:
                 return
             self._error = exc
+        for actor in self._queues.values():
+            actor.engine.error = exc
         for s in (*self._timeline.signals, self.compute.signal, self.copy.signal):
             s._break(exc)
 
@@ -261,14 +263,8 @@ class Device:
         return Engine(
             f"{self.name} {kind}",
             self._handlers(kind),
-            error_of=lambda: self._error if self._error is not None else self._cancel_error(),
             on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
         )
-
-    def _cancel_error(self) -> BaseException | None:
-        if not self._cancelled:
-            return None
-        return DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
 
     # -- the path of one enqueue ------------------------------------------------------------
 
@@ -277,11 +273,14 @@ class Device:
         actor: QueueActor,
         commands: list[Any],
         *,
-        reads: Sequence[Buffer] = (),
-        writes: Sequence[Buffer] = (),
+        reads: Iterable[Buffer] = (),
+        writes: Iterable[Buffer] = (),
         also: Sequence[Device] = (),
+        waits: bool | None = None,
     ) -> Fence:
         """Send one batch to ``actor``; the Fence of this device's timeline step.
+
+        ``waits``: whether ``commands`` hold a Wait, when the caller knows.
 
         While a graph is being captured the batch is recorded instead."""
         graph = current_capture()
@@ -309,6 +308,8 @@ class Device:
             for q, v in hz.reads.items():
                 if q is not actor and q.signal.value < v:
                     batch.append(cmd.Wait(signal=q.signal, value=v))
+        if waits is not None:
+            waits = waits or bool(batch)
         batch.extend(commands)
         actor.value += 1
         value = actor.value
@@ -317,7 +318,7 @@ class Device:
         batch.append(cmd.Step(timeline=self._timeline, seq=seq))
         for other in also:
             batch.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve()))
-        actor.send_nowait(Batch(batch))
+        actor.send_nowait(Batch(batch), waits)
         for b in reads:
             b._hazards.reads[actor] = value
         for b in writes:
@@ -345,6 +346,7 @@ class Device:
             commands,
             reads=[exec_.buffers[i] for i in reads],
             writes=[exec_.buffers[i] for i in writes],
+            waits=False,
         )
 
     # -- host copies ------------------------------------------------------------------------
@@ -392,6 +394,10 @@ class Device:
     def _cancel(self) -> None:
         """Abandon pending work: engines skip what they have not started."""
         self._cancelled = True
+        closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
+        for actor in self._queues.values():
+            if actor.engine.error is None:
+                actor.engine.error = closed
 
     async def _close_input(self) -> None:
         self._closing = True

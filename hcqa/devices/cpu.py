@@ -81,7 +81,7 @@ class CpuDevice(Device):
     def _exec(c: Any) -> None:
         prog: Program = c.program
         if prog.kernel is not None:
-            prog.kernel.fn(*[b.va_addr for b in c.buffers], *c.vals)
+            prog.kernel.fn(*c.args)
         else:
             assert prog.fn is not None
             prog.fn(*[b._kernel_array() for b in c.buffers], *c.vals)

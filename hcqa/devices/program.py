@@ -181,7 +181,14 @@ class Program:
             vals=tuple(vals),  # type: ignore[arg-type, unused-ignore]
             global_size=_size3("global_size", global_size),
             local_size=_size3("local_size", local_size),
+            args=self.c_args(bufs, vals),  # type: ignore[arg-type]
         )
+
+    def c_args(self, bufs: Sequence[Buffer], vals: Sequence[IntLike]) -> tuple[int, ...] | None:
+        """A C kernel's call arguments, when every val is concrete (else None)."""
+        if self.kernel is None or not all(isinstance(v, int) for v in vals):
+            return None
+        return (*(b.va_addr for b in bufs), *vals)  # type: ignore[arg-type]
 
     def check_vals(self, vals: Sequence[object]) -> None:
         """Range-check concrete vals against the C parameter types."""
