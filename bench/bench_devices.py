@@ -1,0 +1,534 @@
+"""Device benchmarks (issue 3): launch latency, command throughput, copies -- against floors
+and the peer, measured side by side in one run.
+
+Run from the repository root::
+
+    python -m bench.bench_devices           # full run (about a minute)
+    python -m bench.bench_devices --quick   # short run (< 30 s)
+
+What is measured (every row of one section is interleaved with the others, round by round, in
+a rotating order, so host-load drift hits all sides alike; ratios are what to quote):
+
+1. launch + await of a tiny kernel -- a Python callable that does nothing to a 64-byte buffer,
+   and a C no-op -- ``await prog(buf)`` vs ``await trio.to_thread.run_sync(same_fn, ...)``;
+   per-op p50 / mean (target: hcqa at most 1.0x of to_thread).
+2. commands per second through one queue: a ``Queue`` of 100 execs of a C no-op, and one of
+   100 signals, submitted again and again (end to end: first submit to last fence reached),
+   vs the floor, a trio memory channel carrying 100 commands per message to a task that
+   dispatches each.
+3. ``hcqa.transfer`` cpu:0 -> cpu:1 of 1 MiB (target p50 <= 100 us), 64 and 256 MiB vs
+   ``numpy.copyto`` (target >= 0.8x its bandwidth, aim 0.95x); copyin / copyout of 64 MiB with
+   ``host_visible=True`` and ``False`` (the staging ring). ``--quick`` skips 256 MiB.
+4. the peer, tinygrad 0.13's CPU device, when importable: a direct program call + synchronize
+   of a tiny kernel, cross-device copies of 1 and 256 MiB (``CPU:0`` -> ``CPU:1``).
+
+The helpers at the top (``interleave``, ``Series``, the formatting) are shared with
+``bench.bench_graph``; percentiles and the table come from ``bench._util``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+import hcqa
+from bench._util import markdown_table, percentile
+
+# -- shared helpers (bench_graph imports these) -------------------------------------------
+
+AsyncOp = Callable[[], Awaitable[object]]
+MiB = 1 << 20
+
+
+@dataclass
+class Series:
+    """Per-op samples (ns per unit: per op, or per command for batched ops)."""
+
+    name: str
+    samples: list[float] = field(default_factory=list)
+    rounds: list[list[float]] = field(default_factory=list)  # the same samples, per round
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.samples) if self.samples else math.nan
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples) if self.samples else math.nan
+
+    @property
+    def p90(self) -> float:
+        return percentile(self.samples, 90)
+
+
+def paired_ratio(a: Series, b: Series) -> float:
+    """The median over rounds of (a's p50 in the round / b's p50 in the same round): a
+    ratio that slow drift of the host's load between rounds does not move."""
+    ratios = [
+        statistics.median(x) / statistics.median(y)
+        for x, y in zip(a.rounds, b.rounds, strict=True)
+        if x and y
+    ]
+    return statistics.median(ratios) if ratios else math.nan
+
+
+def sync_op(fn: Callable[[], object]) -> AsyncOp:
+    """An async op around a blocking call (the peer, numpy): it blocks the loop, as it would."""
+
+    async def op() -> None:
+        fn()
+
+    return op
+
+
+async def interleave(
+    ops: dict[str, AsyncOp],
+    *,
+    rounds: int,
+    per_round: dict[str, int] | int,
+    units: dict[str, int] | None = None,
+    warmup: int = 3,
+) -> dict[str, Series]:
+    """Time every op, round by round, rotating the order each round.
+
+    Each call is one sample: its wall time (``perf_counter_ns``) divided by its ``units``
+    (default 1). The GC is collected before each round and off while timing."""
+    names = list(ops)
+    out = {n: Series(n) for n in names}
+    for name in names:
+        for _ in range(warmup):
+            await ops[name]()
+    clock = time.perf_counter_ns
+    gc_was = gc.isenabled()
+    gc.collect()
+    try:
+        for r in range(rounds):
+            gc.collect(1)  # the young generations: a full collection costs ~0.1 s with the peer
+            gc.disable()
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                op = ops[name]
+                k = per_round if isinstance(per_round, int) else per_round[name]
+                u = 1 if units is None else units.get(name, 1)
+                samples: list[float] = []
+                for _ in range(k):
+                    t0 = clock()
+                    await op()
+                    samples.append((clock() - t0) / u)
+                out[name].samples.extend(samples)
+                out[name].rounds.append(samples)
+            if gc_was:
+                gc.enable()
+    finally:
+        if gc_was:
+            gc.enable()
+    return out
+
+
+def fmt_ns(ns: float) -> str:
+    """A duration for the table: ns, µs, ms or s with 3 significant digits."""
+    if math.isnan(ns):
+        return "-"
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.3g} {unit}"
+    return f"{ns:.3g} ns"
+
+
+def fmt_ratio(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3g}x"
+
+
+def gbps(nbytes: int, ns: float) -> str:
+    return f"{nbytes / ns:.2f} GB/s"
+
+
+def verdict(name: str, met: bool | None, detail: str) -> str:
+    """One line per target: met / missed (``None``: skipped)."""
+    state = "skipped" if met is None else ("met" if met else "MISSED")
+    return f"- target {name}: {state} ({detail})"
+
+
+def info(name: str, detail: str) -> str:
+    return f"- info {name}: {detail}"
+
+
+def header(title: str, quick: bool, peer_note: str) -> str:
+    import os
+    import platform
+
+    mode = "quick" if quick else "full"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"## {title} ({mode} run)\n\n"
+        f"python {platform.python_version()}, trio {trio.__version__}, numpy {np.__version__}, "
+        f"hcqa {hcqa.__version__}, {os.cpu_count()} CPUs, load average {load} at the end; "
+        f"{peer_note}\n"
+    )
+
+
+# -- the benchmark ------------------------------------------------------------------------
+
+NOOP_C = "void noop(unsigned char *out) { (void)out; }\n"
+
+
+def noop(out: Any) -> None:
+    """The Python kernel: does nothing to its 64-byte buffer."""
+
+
+@dataclass
+class Plan:
+    rounds_launch: int
+    per_launch: int
+    rounds_cmds: int
+    per_cmds: int
+    batches: int  # batches of 100 commands per timed op
+    rounds_copy: int
+    per_copy: dict[int, int]  # size -> ops per round
+
+
+FULL = Plan(
+    rounds_launch=60,
+    per_launch=100,
+    rounds_cmds=20,
+    per_cmds=4,
+    batches=50,
+    rounds_copy=20,
+    per_copy={1 * MiB: 100, 64 * MiB: 4, 256 * MiB: 2},
+)
+QUICK = Plan(
+    rounds_launch=6,
+    per_launch=50,
+    rounds_cmds=4,
+    per_cmds=2,
+    batches=20,
+    rounds_copy=3,
+    per_copy={1 * MiB: 30, 64 * MiB: 2},  # no 256 MiB: its first touches alone take seconds
+)
+
+
+async def launch_section(
+    d0: hcqa.Device, peer: Any, plan: Plan
+) -> tuple[list[list[str]], list[str]]:
+    buf = d0.alloc(64)
+    arr = np.zeros(64, np.uint8)
+    py = d0.program("noop", noop)
+    c = d0.program("noop", NOOP_C)
+    assert c.kernel is not None
+    cfn, addr = c.kernel.fn, buf.va_addr
+    to_thread = trio.to_thread.run_sync
+
+    async def hcqa_py() -> None:
+        await py(buf)
+
+    async def thread_py() -> None:
+        await to_thread(noop, arr)
+
+    async def hcqa_c() -> None:
+        await c(buf)
+
+    async def thread_c() -> None:
+        await to_thread(cfn, addr)
+
+    ops: dict[str, AsyncOp] = {
+        "hcqa py": hcqa_py,
+        "to_thread py": thread_py,
+        "hcqa c": hcqa_c,
+        "to_thread c": thread_c,
+    }
+    if peer is not None:
+        ops["tinygrad"] = sync_op(peer.call_program)
+    s = await interleave(ops, rounds=plan.rounds_launch, per_round=plan.per_launch)
+    r_py = s["hcqa py"].p50 / s["to_thread py"].p50
+    r_c = s["hcqa c"].p50 / s["to_thread c"].p50
+    rm_py = s["hcqa py"].mean / s["to_thread py"].mean
+    rm_c = s["hcqa c"].mean / s["to_thread c"].mean
+    pr_py = paired_ratio(s["hcqa py"], s["to_thread py"])
+    pr_c = paired_ratio(s["hcqa c"], s["to_thread c"])
+    sec = "1 launch+await"
+    rows = [
+        [sec, "Python no-op, hcqa `await prog(buf)`", *_lat(s["hcqa py"]),
+         f"{fmt_ratio(r_py)} to_thread (mean {fmt_ratio(rm_py)}, paired {fmt_ratio(pr_py)})"],
+        [sec, "Python no-op, `await trio.to_thread.run_sync(fn, arr)`",
+         *_lat(s["to_thread py"]), "ref"],
+        [sec, "C no-op, hcqa `await prog(buf)`", *_lat(s["hcqa c"]),
+         f"{fmt_ratio(r_c)} to_thread (mean {fmt_ratio(rm_c)}, paired {fmt_ratio(pr_c)})"],
+        [sec, "C no-op, `await trio.to_thread.run_sync(cfn, addr)`",
+         *_lat(s["to_thread c"]), "ref"],
+    ]  # fmt: skip
+    lines = [
+        verdict("1a launch+await Python kernel <= 1.0x to_thread (p50)", r_py <= 1.0,
+                f"{fmt_ratio(r_py)}: {fmt_ns(s['hcqa py'].p50)} vs "
+                f"{fmt_ns(s['to_thread py'].p50)}; per-round paired ratio {fmt_ratio(pr_py)}"),
+        verdict("1b launch+await C kernel <= 1.0x to_thread (p50)", r_c <= 1.0,
+                f"{fmt_ratio(r_c)}: {fmt_ns(s['hcqa c'].p50)} vs "
+                f"{fmt_ns(s['to_thread c'].p50)}; per-round paired ratio {fmt_ratio(pr_c)}"),
+    ]  # fmt: skip
+    if peer is not None:
+        tg = s["tinygrad"]
+        rows.append(
+            ["4 peer", f"tinygrad {peer.version} CPU: `prg(buf)` + `synchronize()`, C no-op",
+             *_lat(tg), f"hcqa C is {fmt_ratio(s['hcqa c'].p50 / tg.p50)} of it"]
+        )  # fmt: skip
+        lines.append(
+            info("4a launch vs tinygrad", f"hcqa C launch+await p50 is "
+                 f"{fmt_ratio(s['hcqa c'].p50 / tg.p50)} of tinygrad's call+synchronize "
+                 f"({fmt_ns(s['hcqa c'].p50)} vs {fmt_ns(tg.p50)})")
+        )  # fmt: skip
+    return rows, lines
+
+
+def _lat(s: Series) -> list[str]:
+    return [fmt_ns(s.p50), fmt_ns(s.mean), fmt_ns(s.p90)]
+
+
+async def commands_section(d0: hcqa.Device, plan: Plan) -> tuple[list[list[str]], list[str]]:
+    per_batch = 100
+    buf = d0.alloc(64)
+    c = d0.program("noop", NOOP_C)
+    q_exec = d0.compute_queue()
+    for _ in range(per_batch):
+        q_exec.exec(c, (buf,))
+    sig = hcqa.Signal(name="bench signal-only")
+    q_sig = d0.compute_queue()
+    for k in range(1, per_batch + 1):
+        q_sig.signal(sig, k)
+    m = plan.batches
+    submit_side: dict[str, list[float]] = {"exec": [], "signal": []}
+    clock = time.perf_counter_ns
+
+    def through(q: hcqa.Queue, key: str) -> AsyncOp:
+        side = submit_side[key]
+
+        async def op() -> None:
+            t0 = clock()
+            for _ in range(m - 1):
+                q.submit()
+            fence = q.submit()
+            side.append((clock() - t0) / (m * per_batch))
+            await fence
+
+        return op
+
+    # The floor: a trio memory channel, 100 commands per message, to a task that
+    # dispatches each command through a table (what a queue actor does at the least).
+    send, recv = trio.open_memory_channel[list[Any] | None](math.inf)
+    commands = [("exec", i) for i in range(per_batch)]
+    done: list[trio.Event] = [trio.Event()]
+    table: dict[type, int] = {tuple: 1}
+
+    async def consumer() -> None:
+        async for msg in recv:
+            if msg is None:
+                done[0].set()
+                continue
+            for command in msg:
+                table.get(type(command))
+
+    async def floor() -> None:
+        done[0] = trio.Event()
+        for _ in range(m):
+            await send.send(commands)
+        await send.send(None)
+        await done[0].wait()
+
+    units = m * per_batch
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consumer)
+        s = await interleave(
+            {
+                "hcqa exec": through(q_exec, "exec"),
+                "hcqa signal": through(q_sig, "signal"),
+                "floor": floor,
+            },
+            rounds=plan.rounds_cmds,
+            per_round=plan.per_cmds,
+            units={"hcqa exec": units, "hcqa signal": units, "floor": units},
+        )
+        await send.aclose()
+    fl = s["floor"].p50
+    sec = "2 commands/s"
+
+    def rate(x: Series) -> str:
+        return f"{1e3 / x.p50:.3g} M cmd/s"
+
+    sub_exec = statistics.median(submit_side["exec"])
+    sub_sig = statistics.median(submit_side["signal"])
+    rows = [
+        [sec, f"hcqa Queue of 100 × exec(C no-op), {m} submits → fence (per command)",
+         *_lat(s["hcqa exec"]), f"{rate(s['hcqa exec'])}; "
+         f"{fmt_ratio(s['hcqa exec'].p50 / fl)} floor"],
+        [sec, "… of which caller-side `submit()` (per command)", fmt_ns(sub_exec), "-", "-",
+         f"{fmt_ratio(sub_exec / fl)} floor"],
+        [sec, f"hcqa Queue of 100 × signal, {m} submits → fence (per command)",
+         *_lat(s["hcqa signal"]), f"{rate(s['hcqa signal'])}; "
+         f"{fmt_ratio(s['hcqa signal'].p50 / fl)} floor"],
+        [sec, "… of which caller-side `submit()` (per command)", fmt_ns(sub_sig), "-", "-",
+         f"{fmt_ratio(sub_sig / fl)} floor"],
+        [sec, "floor: trio memory channel, 100 commands/message (per command)",
+         *_lat(s["floor"]), f"{rate(s['floor'])}; ref"],
+    ]  # fmt: skip
+    lines = [
+        info("2 commands/s vs floor (no numeric target)",
+             f"exec {fmt_ns(s['hcqa exec'].p50)}/cmd = {fmt_ratio(s['hcqa exec'].p50 / fl)} the "
+             f"floor's {fmt_ns(fl)}/cmd; signal {fmt_ns(s['hcqa signal'].p50)}/cmd = "
+             f"{fmt_ratio(s['hcqa signal'].p50 / fl)}"),
+    ]  # fmt: skip
+    return rows, lines
+
+
+async def copy_section(
+    d0: hcqa.Device, d1: hcqa.Device, d2: hcqa.Device, peer: Any, plan: Plan
+) -> tuple[list[list[str]], list[str]]:
+    rows: list[list[str]] = []
+    lines: list[str] = []
+    sec = "3 copies"
+    peer_sizes = {1 * MiB, 256 * MiB}
+    results: dict[int, dict[str, Series]] = {}
+    for size in plan.per_copy:
+        src = d0.alloc(size)
+        dst = d1.alloc(size)
+        h_src = np.full(size, 7, np.uint8)
+        h_dst = np.zeros(size, np.uint8)
+        await src.copyin(h_src)
+        await hcqa.transfer(dst, src)
+
+        async def transfer(dst: hcqa.Buffer = dst, src: hcqa.Buffer = src) -> None:
+            await hcqa.transfer(dst, src)
+
+        def copyto(h_dst: Any = h_dst, h_src: Any = h_src) -> None:
+            np.copyto(h_dst, h_src)
+
+        ops: dict[str, AsyncOp] = {"hcqa": transfer, "numpy": sync_op(copyto)}
+        if size == 64 * MiB:
+            host_in = np.full(size, 7, np.uint8)  # src keeps its value: dst is checked
+            host_out = np.zeros(size, np.uint8)
+            staged = d2.alloc(size)
+            for name, b in (("visible", src), ("staged", staged)):
+
+                async def cin(b: hcqa.Buffer = b, h: Any = host_in) -> None:
+                    await b.copyin(h)
+
+                async def cout(b: hcqa.Buffer = b, h: Any = host_out) -> None:
+                    await b.copyout(h)
+
+                ops[f"copyin {name}"] = cin
+                ops[f"copyout {name}"] = cout
+        if peer is not None and size in peer_sizes:
+            ops["tinygrad"] = sync_op(peer.copier(size))
+        s = await interleave(ops, rounds=plan.rounds_copy, per_round=plan.per_copy[size], warmup=2)
+        results[size] = s
+        if not ((h_dst[::4096] == 7).all() and (dst.numpy_view()[::4096] == 7).all()):
+            raise RuntimeError(f"a {size}-byte copy did not copy")
+        label = f"{size // MiB} MiB"
+        ref = s["numpy"].p50
+        rows.append(
+            [sec, f"hcqa.transfer cpu:0 → cpu:1, {label}", *_lat(s["hcqa"]),
+             f"{gbps(size, s['hcqa'].p50)}; {fmt_ratio(ref / s['hcqa'].p50)} numpy bandwidth"]
+        )  # fmt: skip
+        rows.append([sec, f"numpy.copyto, {label}", *_lat(s["numpy"]), f"{gbps(size, ref)}; ref"])
+        if size == 64 * MiB:
+            for name, what in (
+                ("copyin visible", "copyin, host_visible=True"),
+                ("copyout visible", "copyout, host_visible=True"),
+                ("copyin staged", "copyin, host_visible=False (staging ring)"),
+                ("copyout staged", "copyout, host_visible=False (staging ring)"),
+            ):
+                x = s[name]
+                rows.append(
+                    [sec, f"{what}, {label}", *_lat(x),
+                     f"{gbps(size, x.p50)}; {fmt_ratio(ref / x.p50)} numpy bandwidth"]
+                )  # fmt: skip
+        if "tinygrad" in s:
+            tg = s["tinygrad"]
+            rows.append(
+                ["4 peer", f"tinygrad {peer.version} CPU:0 → CPU:1 eager `.to().realize()` + "
+                 f"sync, {label}", *_lat(tg),
+                 f"{gbps(size, tg.p50)}; {fmt_ratio(ref / tg.p50)} numpy bandwidth"]
+            )  # fmt: skip
+            lines.append(
+                info(f"4 copy {label} vs tinygrad", f"hcqa transfer p50 is "
+                     f"{fmt_ratio(s['hcqa'].p50 / tg.p50)} of tinygrad's "
+                     f"({fmt_ns(s['hcqa'].p50)} vs {fmt_ns(tg.p50)})")
+            )  # fmt: skip
+        if size >= 64 * MiB:
+            src.free()
+            dst.free()
+    one = results[1 * MiB]["hcqa"].p50
+    lines.insert(
+        0,
+        verdict("3a transfer 1 MiB p50 <= 100 µs", one <= 100_000,
+                f"{fmt_ns(one)}; numpy.copyto {fmt_ns(results[1 * MiB]['numpy'].p50)}"),
+    )  # fmt: skip
+    for i, size in enumerate((64 * MiB, 256 * MiB)):
+        name = f"3{'bc'[i]} transfer {size // MiB} MiB >= 0.8x numpy.copyto bandwidth"
+        if size not in results:
+            lines.insert(1 + i, verdict(name, None, "not measured in a quick run"))
+            continue
+        s = results[size]
+        r = s["numpy"].p50 / s["hcqa"].p50
+        pr = 1 / paired_ratio(s["hcqa"], s["numpy"])
+        aim = "aim 0.95x reached" if r >= 0.95 else "aim 0.95x not reached"
+        lines.insert(
+            1 + i,
+            verdict(name, r >= 0.8, f"{fmt_ratio(r)}, {gbps(size, s['hcqa'].p50)} vs "
+                    f"{gbps(size, s['numpy'].p50)}; per-round paired {fmt_ratio(pr)}; {aim}"),
+        )  # fmt: skip
+    s64 = results[64 * MiB]
+    ref = s64["numpy"].p50
+    lines.insert(
+        3,
+        info("3d copyin/copyout 64 MiB vs numpy.copyto bandwidth (no numeric target)",
+             ", ".join(f"{n} {fmt_ratio(ref / s64[n].p50)}" for n in
+                       ("copyin visible", "copyout visible", "copyin staged", "copyout staged"))),
+    )  # fmt: skip
+    return rows, lines
+
+
+async def main(quick: bool) -> None:
+    from bench import _peer_tinygrad
+
+    plan = QUICK if quick else FULL
+    t_start = time.perf_counter()
+    peer, why = _peer_tinygrad.load()
+    note = f"peer: tinygrad {peer.version} CPU device" if peer is not None else why
+    rows: list[list[str]] = []
+    lines: list[str] = []
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        async with hcqa.open_device("cpu:2", host_visible=False) as d2:
+            for part in (
+                await launch_section(d0, peer, plan),
+                await commands_section(d0, plan),
+                await copy_section(d0, d1, d2, peer, plan),
+            ):
+                rows += part[0]
+                lines += part[1]
+    print(header("bench_devices", quick, note))
+    print(markdown_table(["section", "case", "p50", "mean", "p90", "rate / ratio"], rows))
+    print()
+    if peer is None:
+        print(why)
+    for line in lines:
+        print(line)
+    print(f"\n(ran in {time.perf_counter() - t_start:.1f} s)")
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a short run (< 30 s)")
+    args = parser.parse_args(argv)
+    trio.run(main, args.quick)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -1,0 +1,275 @@
+"""Graph benchmarks (issue 4): replay of captured kernel chains vs eager launches, and vs
+tinygrad 0.13's TinyJit on its CPU device, measured side by side in one run.
+
+Run from the repository root::
+
+    python -m bench.bench_graph           # full run
+    python -m bench.bench_graph --quick   # short run (< 30 s)
+
+What is measured (all rows interleaved round by round in a rotating order; quote ratios):
+
+1. chains of N = 1, 10, 100 tiny dependent kernels on one device, ``step(out, a)`` adding 1
+   to the first of 16 floats and ping-ponging between two buffers -- a Python callable and
+   a C kernel -- replayed (``await g()``) vs eager (``await prog(...)`` for each launch, each
+   awaited before the next). Targets: replay of 100 at most 0.2x of eager; C per-kernel
+   replay cost at or under 0.5 µs (hcqa fuses runs of static C kernels into one native
+   call: ``g.statistics().native_runs``). The per-kernel cost is the marginal one,
+   (replay(1000) - replay(10)) / 990, from an extra replay-only chain of 1000 (the
+   difference of two ~60 µs medians over 90 kernels is too noisy on a 2-vCPU host);
+   replay(N) / N, which carries the fixed wake-up cost, is shown next to it.
+2. the peer: tinygrad 0.13 ``TinyJit`` on its CPU device replaying the same chain (N tiny
+   ``(x + 1).contiguous()`` kernels; the number of kernels its captured JIT really runs is
+   reported), replay + synchronize per call; its marginal per-kernel cost is taken over
+   10 -> 100 (capturing 1000 takes tinygrad ~10 s; its ~10 µs per kernel dwarfs the noise).
+   Target: hcqa's C replay of 100 ahead of its replay of 100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+
+import hcqa
+from bench._util import markdown_table
+from bench.bench_devices import (
+    AsyncOp,
+    Series,
+    fmt_ns,
+    fmt_ratio,
+    header,
+    info,
+    interleave,
+    sync_op,
+    verdict,
+)
+
+STEP_C = "void step(float *out, const float *a) { out[0] = a[0] + 1.0f; }\n"
+CHAINS = (1, 10, 100)
+LONG = 1000  # replay only: the point the marginal per-kernel cost is taken at
+
+
+def step(out: Any, a: Any) -> None:
+    """The Python kernel: the first float of ``a`` plus one, into ``out``."""
+    out[0] = a[0] + 1.0
+
+
+@dataclass
+class Plan:
+    rounds: int
+    budget: int  # kernels per op kind per round: ops per round = budget // N
+
+
+FULL = Plan(rounds=60, budget=300)
+QUICK = Plan(rounds=6, budget=200)
+
+
+@dataclass
+class Chain:
+    kind: str  # "py" / "c"
+    n: int
+    eager: AsyncOp
+    replay: AsyncOp
+    graph: hcqa.Graph
+    buffers: tuple[hcqa.Buffer, hcqa.Buffer]
+    last: hcqa.Buffer  # what the chain's last kernel writes
+
+
+def make_chain(d: hcqa.Device, prog: hcqa.Program, kind: str, n: int) -> Chain:
+    a = d.alloc(shape=(16,), dtype="float32")
+    b = d.alloc(shape=(16,), dtype="float32")
+    pairs = [(b, a) if i % 2 == 0 else (a, b) for i in range(n)]
+
+    async def eager() -> None:
+        for out, src in pairs:
+            await prog(out, src)
+
+    with hcqa.capture() as g:
+        for out, src in pairs:
+            prog(out, src)
+
+    async def replay() -> None:
+        await g()
+
+    return Chain(
+        kind=kind, n=n, eager=eager, replay=replay, graph=g, buffers=(a, b), last=pairs[-1][0]
+    )
+
+
+async def check_chain(ch: Chain) -> None:
+    """The chain computes what it should: N increments from zero."""
+    host = np.zeros(16, np.float32)
+    for buf in ch.buffers:
+        await buf.copyin(host)
+    await ch.replay()
+    await ch.last.copyout(host)
+    if host[0] != ch.n:
+        raise RuntimeError(f"{ch.kind} chain of {ch.n} computed {host[0]} (expected {ch.n})")
+
+
+async def main(quick: bool) -> None:
+    from bench import _peer_tinygrad
+
+    plan = QUICK if quick else FULL
+    t_start = time.perf_counter()
+    peer, why = _peer_tinygrad.load()
+    note = f"peer: tinygrad {peer.version} CPU device" if peer is not None else why
+    ops: dict[str, AsyncOp] = {}
+    per_round: dict[str, int] = {}
+    chains: dict[tuple[str, int], Chain] = {}
+    tg_kernels: dict[int, int] = {}
+    async with hcqa.open_device("cpu:0") as d:
+        progs = {"py": d.program("step", step), "c": d.program("step", STEP_C)}
+        for kind, prog in progs.items():
+            for n in (*CHAINS, LONG):
+                ch = make_chain(d, prog, kind, n)
+                await check_chain(ch)
+                chains[kind, n] = ch
+                k = max(1, plan.budget // n)
+                if n != LONG:
+                    ops[f"{kind} eager {n}"] = ch.eager
+                    per_round[f"{kind} eager {n}"] = k
+                ops[f"{kind} replay {n}"] = ch.replay
+                per_round[f"{kind} replay {n}"] = max(k, 2)
+        if peer is not None:
+            for n in CHAINS:
+                fn, kernels = peer.jit_chain(n)
+                tg_kernels[n] = kernels
+                ops[f"tg jit {n}"] = sync_op(fn)
+                per_round[f"tg jit {n}"] = max(1, plan.budget // n)
+        s = await interleave(ops, rounds=plan.rounds, per_round=per_round)
+    rows, lines = report(s, chains, peer, tg_kernels)
+    print(header("bench_graph", quick, note))
+    print(
+        markdown_table(
+            ["case", "N", "p50", "mean", "p90", "per kernel (p50 / N)", "vs eager", "notes"], rows
+        )
+    )
+    print()
+    if peer is None:
+        print(why)
+    for line in lines:
+        print(line)
+    print(f"\n(ran in {time.perf_counter() - t_start:.1f} s)")
+
+
+def marginal(s: dict[str, Series], key: str, hi: int) -> float:
+    """(p50 at N=hi - p50 at N=10) / (hi - 10): the per-kernel cost without the fixed part."""
+    return (s[f"{key} {hi}"].p50 - s[f"{key} 10"].p50) / (hi - 10)
+
+
+def report(
+    s: dict[str, Series],
+    chains: dict[tuple[str, int], Chain],
+    peer: Any,
+    tg_kernels: dict[int, int],
+) -> tuple[list[list[str]], list[str]]:
+    rows: list[list[str]] = []
+    lines: list[str] = []
+    names = {"py": "Python", "c": "C"}
+    for kind in ("py", "c"):
+        for n in CHAINS:
+            e, r = s[f"{kind} eager {n}"], s[f"{kind} replay {n}"]
+            st = chains[kind, n].graph.statistics()
+            rows.append(
+                [f"hcqa {names[kind]} eager (each launch awaited)", str(n), fmt_ns(e.p50),
+                 fmt_ns(e.mean), fmt_ns(e.p90), fmt_ns(e.p50 / n), "ref", ""]
+            )  # fmt: skip
+            rows.append(
+                [f"hcqa {names[kind]} replay `await g()`", str(n), fmt_ns(r.p50), fmt_ns(r.mean),
+                 fmt_ns(r.p90), fmt_ns(r.p50 / n), fmt_ratio(r.p50 / e.p50),
+                 f"nodes {st.nodes}, native_runs {st.native_runs}"]
+            )  # fmt: skip
+        r = s[f"{kind} replay {LONG}"]
+        st = chains[kind, LONG].graph.statistics()
+        rows.append(
+            [f"hcqa {names[kind]} replay `await g()` (replay only)", str(LONG), fmt_ns(r.p50),
+             fmt_ns(r.mean), fmt_ns(r.p90), fmt_ns(r.p50 / LONG), "-",
+             f"nodes {st.nodes}, native_runs {st.native_runs}"]
+        )  # fmt: skip
+        m = marginal(s, f"{kind} replay", LONG)
+        rows.append(
+            [f"hcqa {names[kind]} replay, marginal per kernel", f"10→{LONG}", "-", "-", "-",
+             fmt_ns(m), "-", f"(p50({LONG}) - p50(10)) / {LONG - 10}"]
+        )  # fmt: skip
+    if peer is not None:
+        for n in CHAINS:
+            t = s[f"tg jit {n}"]
+            rows.append(
+                [f"tinygrad {peer.version} TinyJit replay + synchronize", str(n), fmt_ns(t.p50),
+                 fmt_ns(t.mean), fmt_ns(t.p90), fmt_ns(t.p50 / n), "-",
+                 f"captured JIT runs {tg_kernels[n]} kernels"]
+            )  # fmt: skip
+        m = marginal(s, "tg jit", 100)
+        rows.append(
+            [f"tinygrad {peer.version} TinyJit, marginal per kernel", "10→100", "-", "-", "-",
+             fmt_ns(m), "-", "(p50(100) - p50(10)) / 90"]
+        )  # fmt: skip
+
+    for kind in ("py", "c"):
+        ratio = s[f"{kind} replay 100"].p50 / s[f"{kind} eager 100"].p50
+        lines.append(
+            verdict(f"1{'ab'[kind == 'c']} {names[kind]} replay of 100 <= 0.2x eager (p50)",
+                    ratio <= 0.2, f"{fmt_ratio(ratio)}: {fmt_ns(s[f'{kind} replay 100'].p50)} vs "
+                    f"{fmt_ns(s[f'{kind} eager 100'].p50)}")
+        )  # fmt: skip
+    m_c = marginal(s, "c replay", LONG)
+    per_c = s["c replay 100"].p50 / 100
+    lines.append(
+        verdict(f"1c C per-kernel replay cost <= 0.5 µs (marginal, 10→{LONG})", m_c <= 500,
+                f"{fmt_ns(m_c)} per kernel marginal; replay(100)/100 = {fmt_ns(per_c)} "
+                f"({'within' if per_c <= 500 else 'over'} 0.5 µs with the fixed cost included)")
+    )  # fmt: skip
+    fused = {n: chains["c", n].graph.statistics().native_runs for n in CHAINS}
+    lines.append(
+        verdict("1d C chains fused into one native run (N >= 2)",
+                all(fused[n] == 1 for n in CHAINS if n >= 2),
+                ", ".join(f"N={n}: native_runs={fused[n]}" for n in CHAINS))
+    )  # fmt: skip
+    m_py = marginal(s, "py replay", LONG)
+    lines.append(
+        info("1e Python per-kernel replay cost", f"{fmt_ns(m_py)} marginal; replay(100)/100 = "
+             f"{fmt_ns(s['py replay 100'].p50 / 100)}")
+    )  # fmt: skip
+    if peer is not None:
+        tg = s["tg jit 100"].p50
+        hc = s["c replay 100"].p50
+        hp = s["py replay 100"].p50
+        lines.append(
+            verdict("2a hcqa C replay of 100 ahead of tinygrad TinyJit 100 (p50)", hc < tg,
+                    f"{fmt_ratio(hc / tg)}: {fmt_ns(hc)} vs {fmt_ns(tg)} "
+                    f"({tg_kernels[100]} kernels replayed); per kernel {fmt_ns(hc / 100)} vs "
+                    f"{fmt_ns(tg / 100)}")
+        )  # fmt: skip
+        mt = marginal(s, "tg jit", 100)
+        lines.append(
+            info("2b marginal per kernel vs tinygrad", f"hcqa C {fmt_ns(m_c)}, hcqa Python "
+                 f"{fmt_ns(m_py)} (10→{LONG}), tinygrad {fmt_ns(mt)} (10→100); hcqa Python "
+                 "replay of 100 is "
+                 f"{fmt_ratio(hp / tg)} of tinygrad's")
+        )  # fmt: skip
+    else:
+        lines.append(
+            verdict("2a hcqa C replay of 100 ahead of tinygrad TinyJit 100", None, "no peer")
+        )
+    if any(math.isnan(x.p50) for x in s.values()):
+        lines.append("- warning: some series have no samples")
+    return rows, lines
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a short run (< 30 s)")
+    args = parser.parse_args(argv)
+    trio.run(main, args.quick)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
