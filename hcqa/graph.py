@@ -424,7 +424,7 @@ class Graph:
             seq = device._timeline.reserve()
             tail.append(cmd.Step(timeline=device._timeline, seq=seq))
             for d in part.also:
-                tail.append(cmd.Step(timeline=d._timeline, seq=d._timeline.reserve()))
+                tail.append(cmd.Step(timeline=d._timeline, seq=d._timeline.reserve_foreign()))
             q.send_nowait(Batch(head + batch + tail))
             limit = device.hang_limit
             fences.append(Fence(q.signal, base + part.nsignals, hang_limit=limit, context=q.name))

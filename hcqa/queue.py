@@ -181,7 +181,15 @@ class Queue:
                             out |= variables_of(v)
         return out
 
+    def _check_buffers(self) -> None:
+        """A built queue may outlive its buffers: refuse freed (or closed) ones."""
+        for b in self._writes.values():
+            b._check()
+        for b in self._reads.values():
+            b._check()
+
     def _resolve(self, var_vals: VarVals | None) -> list[Any]:
+        self._check_buffers()
         if not self._symbolic:
             return list(self._commands)
         return [_resolve_command(c, var_vals) for c in self._commands]
@@ -191,6 +199,7 @@ class Queue:
         from hcqa._capture import current_capture
 
         if var_vals is None and current_capture() is not None:
+            self._check_buffers()
             commands = list(self._commands)  # a capture keeps the variables for replay
         else:
             commands = self._resolve(var_vals)

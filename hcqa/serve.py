@@ -67,7 +67,7 @@ _INSTALL = "pip install 'hcqa[serve]'"
 
 
 class _Disconnected(Exception):
-    """The client went away before its request body arrived: nobody to answer."""
+    """The client went away before its answer was ready: nobody to answer."""
 
 
 class _HttpError(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -103,7 +104,7 @@ class Expr(_Arith):
 
 Sym = Variable | Expr
 IntLike = int | Variable | Expr
-VarVals = Mapping[Variable | str, int]
+VarVals = Mapping[Variable, int] | Mapping[str, int] | Mapping[Variable | str, int]
 
 
 def variables_of(x: IntLike) -> set[Variable]:
@@ -118,10 +119,11 @@ def variables_of(x: IntLike) -> set[Variable]:
 def _bind(var: Variable, var_vals: VarVals | None) -> int:
     if var_vals is None:
         raise InvalidCommand(f"variable {var.name!r} is unbound (no var_vals given)")
-    if var in var_vals:
-        value = var_vals[var]
-    elif var.name in var_vals:
-        value = var_vals[var.name]
+    vv: Mapping[Any, int] = var_vals
+    if var in vv:
+        value = vv[var]
+    elif var.name in vv:
+        value = vv[var.name]
     else:
         raise InvalidCommand(
             f"variable {var.name!r} is unbound (var_vals has {sorted(map(str, var_vals))})"

@@ -71,6 +71,7 @@ class Engine:
         # The device's sticky error (a fault, a hang, or "closed, cancelled"): set by the
         # device from any thread, read once per command here. Once set, nothing runs.
         self.error: BaseException | None = None
+        self.timeline: Any = None  # the owning device's timeline (set by the device)
         self._on_fault = on_fault
         self.exited = Signal(name=f"{name} engine exit")
         self.executed = 0
@@ -130,10 +131,15 @@ class Engine:
                 self._on_fault(None, RuntimeError(f"engine thread {self.name!r} died"))
             self.exited._set_from_engine(1)
 
-    @staticmethod
-    def _skip(command: Any, error: BaseException | None) -> None:
-        if error is not None and type(command) is cmd.Signal:
+    def _skip(self, command: Any, error: BaseException | None) -> None:
+        """Not executing ``command``: its signal must not be left unset forever."""
+        kind = type(command)
+        if error is not None and kind is cmd.Signal:
             command.signal._break(error)
+        elif kind is cmd.Step and command.timeline is not self.timeline:
+            # Another device's step (the source of a transfer): that device did nothing
+            # wrong, and only read; its timeline must go on.
+            command.timeline.complete(command.seq)
 
     # -- bookkeeping handlers --------------------------------------------------------------
 

@@ -92,6 +92,8 @@ class Device:
         self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
         self.copy = QueueActor(self, "copy", self._engine("copy"), capacity=queue_depth)
         self._queues = {"compute": self.compute, "copy": self.copy}
+        for actor in self._queues.values():
+            actor.engine.timeline = self._timeline
 
     # -- what subclasses provide ---------------------------------------------------------
 
@@ -317,7 +319,7 @@ class Device:
         batch.append(cmd.Signal(signal=actor.signal, value=value))
         batch.append(cmd.Step(timeline=self._timeline, seq=seq))
         for other in also:
-            batch.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve()))
+            batch.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
         actor.send_nowait(Batch(batch), waits)
         for b in reads:
             b._hazards.reads[actor] = value
@@ -331,7 +333,7 @@ class Device:
         self, exec_: cmd.Exec, *, timed: tuple[Signal, Signal] | None = None
     ) -> Fence:
         if current_capture() is None:
-            for v in exec_.vals:
+            for v in (*exec_.vals, *exec_.global_size, *exec_.local_size):
                 if not isinstance(v, int):
                     raise InvalidCommand(
                         f"{exec_.program.name!r}: variable {v} is unbound outside a capture "
@@ -403,6 +405,20 @@ class Device:
         self._closing = True
         for actor in self._queues.values():
             await actor.close_input()
+
+    async def _wait_foreign(self) -> None:
+        """Wait (shielded, within the hang limit) until other devices' engines have
+        completed every step that reads this device's memory."""
+        tl = self._timeline
+        if tl.foreign_done.value >= tl.foreign_reserved:
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await tl.foreign_done._wait_limited(
+                    tl.foreign_reserved, self.hang_limit, f"{self.name} closing", observe=False
+                )
+            except HcqaError:
+                self._hung = True  # still read by a stuck device: keep the memory mapped
 
     def _release(self) -> None:
         """Close signals and memory once the actors are done (threads joined)."""

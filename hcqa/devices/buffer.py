@@ -137,6 +137,7 @@ class Buffer:
         """The buffer's memory as a numpy array (what Python programs receive).
 
         Only for host-visible devices; reading it while work is queued races that work."""
+        self._check()
         if not self.device.host_visible:
             raise InvalidCommand(
                 f"{self.device.name} is not host-visible: use copyout() to read its buffers"
@@ -200,6 +201,7 @@ class Buffer:
                 "queued work: await its fence before free()"
             )
         self._freed = True
+        self._array = None
         self._finalizer()
 
     def _check(self) -> None:

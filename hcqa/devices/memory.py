@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import mmap
 import operator
 import os
-from typing import SupportsIndex
+import threading
+from collections.abc import Callable
+from typing import Any, SupportsIndex, TypeVar
 
 import attrs
 import numpy as np
@@ -53,6 +56,7 @@ __all__ = [
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
+_F = TypeVar("_F", bound=Callable[..., Any])
 _HUGE = 2 << 20
 _POW2_ABOVE = 1 << 20
 
@@ -182,10 +186,23 @@ class AllocatorStatistics:
     misses: int  # allocations that mapped fresh memory
 
 
+def _locked(method: _F) -> _F:
+    """Run the method under the allocator's lock: a buffer collected by the garbage
+    collector frees its block in whatever thread the collection happens."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class CachingAllocator:
     """Size-classed host allocator with an LRU cache of freed blocks (see the module docstring)."""
 
     def __init__(self, *, capacity: int, name: str) -> None:
+        self._lock = threading.RLock()
         self.capacity = _check_int("capacity", capacity, 1)
         self.name = name
         self._live: dict[int, HostMemory] = {}
@@ -197,6 +214,7 @@ class CachingAllocator:
         self._misses = 0
         self._closed = False
 
+    @_locked
     def alloc(self, nbytes: int) -> HostMemory:
         nbytes = _check_int("nbytes", nbytes, 1)
         if self._closed:
@@ -226,6 +244,7 @@ class CachingAllocator:
         self._used += size
         return block
 
+    @_locked
     def free(self, block: HostMemory) -> None:
         """Return ``block`` to the cache; it stays mapped for the next request of its class."""
         key = id(block)
@@ -251,11 +270,13 @@ class CachingAllocator:
         self._cached -= block.capacity
         block.close()
 
+    @_locked
     def free_cache(self) -> None:
         """Unmap every cached block."""
         while self._lru:
             self._evict_oldest()
 
+    @_locked
     def close(self) -> None:
         """Unmap everything, live blocks included. Idempotent."""
         self._closed = True
@@ -263,6 +284,7 @@ class CachingAllocator:
         for block in self._live.values():
             block.close()
 
+    @_locked
     def statistics(self) -> AllocatorStatistics:
         return AllocatorStatistics(
             capacity=self.capacity,

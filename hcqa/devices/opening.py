@@ -48,14 +48,19 @@ def _default_memory() -> int:
         return 8 << 30
 
 
-def _make(spec: object, options: dict[str, Any]) -> Device:
+def _parse(spec: object) -> tuple[str, int, str]:
+    """(kind, index, name) of a device spec."""
     if not isinstance(spec, str):
         raise TypeError(f"device spec must be a str like 'cpu:0' (got {type(spec).__name__})")
     m = _SPEC.match(spec.strip())
     if m is None:
         raise InvalidCommand(f"device spec must look like 'cpu:N' or 'cuda:N' (got {spec!r})")
     kind, index = m.group(1), int(m.group(2) or 0)
-    name = f"{kind}:{index}"
+    return kind, index, f"{kind}:{index}"
+
+
+def _make(spec: object, options: dict[str, Any]) -> Device:
+    kind, _, name = _parse(spec)
     if kind == "cuda":
         try:
             from hcqa.devices.cuda import CudaDevice  # type: ignore[import-not-found, unused-ignore]
@@ -113,10 +118,18 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     opts = _options(**options)
     if not specs:
         raise InvalidCommand("open_devices() needs at least one device spec (got none)")
-    devices = tuple(_make(s, opts) for s in specs)
-    names = [d.name for d in devices]
+    names = [_parse(s)[2] for s in specs]  # every spec checked before anything is built
     if len(set(names)) != len(names):
         raise InvalidCommand(f"each device may be opened once per call (got {names})")
+    made: list[Device] = []
+    try:
+        for s in specs:
+            made.append(_make(s, opts))
+    except BaseException:
+        for d in made:
+            d._release()
+        raise
+    devices = tuple(made)
     error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
@@ -133,6 +146,8 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
                     await d._close_input()
             if error is not None:
                 nursery.cancel_scope.cancel()
+        for d in devices:
+            await d._wait_foreign()
     finally:
         for d in devices:
             d._release()

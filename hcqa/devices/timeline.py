@@ -50,6 +50,11 @@ class Timeline:
         self._hang_limit = hang_limit
         self._owner = owner
         self._context = f"{name} timeline"
+        # Steps another device's engine completes (a transfer reading our memory): the
+        # device may only release its memory once all of them are done.
+        self._foreign: set[int] = set()
+        self.foreign_reserved = 0
+        self.foreign_done = Signal(name=f"{name} foreign steps")
         if start:
             self.signals[_epoch(start) % 2].value = _value(start)
 
@@ -65,6 +70,14 @@ class Timeline:
         self.reserved = seq
         return seq
 
+    def reserve_foreign(self) -> int:
+        """Reserve a step that another device's engine will complete."""
+        seq = self.reserve()
+        with self._lock:
+            self._foreign.add(seq)
+        self.foreign_reserved += 1
+        return seq
+
     def fence(self, seq: int) -> Fence:
         return Fence(
             self.signals[_epoch(seq) % 2],
@@ -77,19 +90,26 @@ class Timeline:
     def complete(self, seq: int) -> None:
         """Engine threads: step ``seq`` is done."""
         with self._lock:
-            old = self.done
-            if seq != old + 1:
-                self._pending.add(seq)
-                return
-            new, pending = seq, self._pending
-            while new + 1 in pending:
-                new += 1
-                pending.discard(new)
-            self.done = new
-            if _epoch(old) != _epoch(new) and old > 0:
-                self.signals[_epoch(old) % 2]._set_from_engine(WRAP)
-            self.signals[_epoch(new) % 2]._set_from_engine(_value(new))
+            self._advance(seq)
+            if seq in self._foreign:  # last: the owner may release everything after this
+                self._foreign.discard(seq)
+                self.foreign_done._set_from_engine(self.foreign_done.value + 1)
+
+    def _advance(self, seq: int) -> None:
+        old = self.done
+        if seq != old + 1:
+            self._pending.add(seq)
+            return
+        new, pending = seq, self._pending
+        while new + 1 in pending:
+            new += 1
+            pending.discard(new)
+        self.done = new
+        if _epoch(old) != _epoch(new) and old > 0:
+            self.signals[_epoch(old) % 2]._set_from_engine(WRAP)
+        self.signals[_epoch(new) % 2]._set_from_engine(_value(new))
 
     def close(self) -> None:
         for s in self.signals:
             s.close()
+        self.foreign_done.close()
