@@ -133,6 +133,63 @@ def mlp_kernel(n_layers: int, batch: int, hidden: int) -> Callable[..., None]:
     return kernel
 
 
+def mlp_stage(
+    path: str, layout: list[list[int]], first: int, last: int, batch: int, hidden: int
+) -> Callable[..., None]:
+    """Stage factory for worker processes: layers ``first..last-1`` with their weights
+    read from ``path`` (the worker's own copy), as ``fn(out, inp)``."""
+    params: list[F32] = []
+    for layer in range(first, last):
+        for k, count in ((2 * layer, hidden * hidden), (2 * layer + 1, hidden)):
+            offset, _ = layout[k]
+            arr = np.fromfile(path, dtype=np.float32, count=count, offset=offset)
+            params.append(arr.reshape((hidden, hidden)) if count == hidden * hidden else arr)
+    kernel = mlp_kernel(last - first, batch, hidden)
+
+    def stage(out: F32, inp: F32) -> None:
+        kernel(out, inp, *params)
+
+    return stage
+
+
+async def drive_processes(
+    spec: MlpSpec,
+    path: str,
+    layout: Layout,
+    depth: int,
+    xs: Sequence[F32],
+    on_result: Callable[[], None] | None = None,
+) -> tuple[list[F32], float, str]:
+    """The same two stages, each in its own worker process (``hcqa.workers``)."""
+    from hcqa.workers import ProcessStage, open_process_pipeline
+
+    half = spec.layers // 2
+    b, h = spec.batch_size, spec.hidden
+    common = {"path": path, "layout": [list(x) for x in layout], "batch": b, "hidden": h}
+    stages = [
+        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": 0, "last": half}),
+        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": half, "last": spec.layers}),
+    ]
+    async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
+        await pipe(xs[0])  # warm-up
+        results: list[Any] = [None] * len(xs)
+        indices: Iterator[int] = iter(range(len(xs)))
+
+        async def worker() -> None:
+            for i in indices:
+                results[i] = await pipe(xs[i])
+                if on_result is not None:
+                    on_result()
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(depth, len(xs))):
+                nursery.start_soon(worker)
+        elapsed = time.perf_counter() - start
+        pids = ", ".join(str(w.pid) for w in pipe.workers)
+    return results, elapsed, f"2 worker processes (pids {pids})"
+
+
 async def load_params(
     device: hcqa.Device, path: str, layout: Layout, layers: range, hidden: int
 ) -> tuple[hcqa.Buffer, ...]:
@@ -258,6 +315,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--hidden", type=int, help=f"layer width (default {f.hidden})")
     add("--depth", type=int, default=2, help="microbatches in flight (default 2)")
     add("--quick", action="store_true", help="a tiny run (about a second), for tests")
+    add(
+        "--processes",
+        action="store_true",
+        help="run each stage in its own worker process (shared memory + signals)",
+    )
     add("--no-progress", action="store_true", help="no progress bar (off anyway if not a tty)")
     add("--workdir", help="where to write the weights file (default: a temporary directory)")
     add(
@@ -309,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
         async def main() -> tuple[list[F32], list[F32], float, float, str]:
+            if args.processes:
+                return await main_processes()
             async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
                 pipe, seq = await build_pipelines(d0, d1, spec, path, layout, args.depth)
                 for p in (pipe, seq):  # warm-up: first calls touch fresh memory
@@ -341,11 +405,29 @@ def run(args: argparse.Namespace) -> int:
                     repr(pipe),
                 )
 
+        async def main_processes() -> tuple[list[F32], list[F32], float, float, str]:
+            bar.begin("processes".ljust(20), spec.batches)
+            try:
+                got, t_pipe, desc = await drive_processes(
+                    spec, path, layout, args.depth, xs, bar.advance
+                )
+            finally:
+                bar.end()
+            kernel = mlp_kernel(spec.layers, spec.batch_size, spec.hidden)
+            want = []
+            start = time.perf_counter()
+            for x in xs:  # sequential: one process, every layer (numpy, 1 BLAS thread)
+                ref = np.empty_like(x)
+                kernel(ref, x, *weights)
+                want.append(ref)
+            return got, want, t_pipe, time.perf_counter() - start, desc
+
         with threadpool_limits(1):
             got, want, t_pipe, t_seq, desc = trio.run(main, instruments=instruments)
             half = spec.layers // 2
+            where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
             out.write(
-                f"  pipeline: {desc}: cpu:0 runs layers 1-{half}, cpu:1 layers "
+                f"  pipeline: {desc}: {where[0]} runs layers 1-{half}, {where[1]} layers "
                 f"{half + 1}-{spec.layers}; BLAS limited to 1 thread per device\n"
             )
             sample = sorted({*range(0, spec.batches, max(1, spec.batches // 8)), spec.batches - 1})

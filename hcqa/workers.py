@@ -29,6 +29,7 @@ it after a grace period) and closes every fd; memfds vanish with their last fd.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
@@ -45,7 +46,7 @@ import trio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
-from hcqa.errors import DeviceFault, InvalidCommand
+from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
 from hcqa.ipc import PeerGone, attach_signal, check_peer, offer_signal, recv_message, send_message
 from hcqa.signals import Signal
 from hcqa.variables import Variable
@@ -59,11 +60,16 @@ INLINE_COPY = 256 << 10
 
 @attrs.frozen(kw_only=True)
 class ProcessStage:
-    """A stage run in its own process: ``fn(out, inp)`` named as ``"module:function"``."""
+    """A stage run in its own process: ``fn(out, inp)`` named as ``"module:function"``.
+
+    With ``args`` (JSON-serializable), ``fn`` names a *factory* instead: the worker
+    calls ``factory(**args)`` once and runs the callable it returns -- the place to
+    load a stage's weights in the worker."""
 
     fn: str
     out_shape: tuple[int, ...] | None = None
     out_dtype: str | None = None
+    args: dict[str, Any] | None = None
 
 
 def _load(ref: str) -> Callable[..., Any]:
@@ -154,6 +160,7 @@ class ProcessPipeline:
         header = {
             "op": "setup",
             "stage": self.stages[i].fn,
+            "args": self.stages[i].args,
             "depth": self.depth,
             "buffers": bufs,
             "signals": sigs,
@@ -187,16 +194,22 @@ class ProcessPipeline:
 
     async def _watch(self, worker: _Worker) -> None:
         """Turn a worker's death (its socket closing) into a fault, never a hang."""
+        what = "died: its socket closed"
         try:
             while True:
-                await recv_message(worker.sock)
+                message, extra = await recv_message(worker.sock)
+                for e in extra:
+                    os.close(e)
+                if message.get("op") == "fault":
+                    what = f"failed: {message.get('error')}"
+                    break
         except (PeerGone, OSError):
             pass
         if self._closing:
             return
         fault = DeviceFault(
             f"worker {worker.index} (pid {worker.pid}, stage {self.stages[worker.index].fn!r}) "
-            "died: its socket closed",
+            + what,
             device=f"worker{worker.index}",
         )
         self.fault = fault
@@ -244,12 +257,17 @@ class ProcessPipeline:
             return out
 
 
-async def _spawn(index: int) -> tuple[_Worker, socket.socket]:
+async def _spawn(index: int, blas_threads: int | None) -> tuple[_Worker, socket.socket]:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ)
+    if blas_threads is not None:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(blas_threads)
     try:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "hcqa.workers", str(child.fileno())],
             pass_fds=(child.fileno(),),
+            env=env,
         )
     finally:
         child.close()
@@ -267,8 +285,12 @@ async def open_process_pipeline(
     dtype: npt.DTypeLike = "float32",
     depth: int = 2,
     grace: float = 5.0,
+    blas_threads: int | None = 1,
 ) -> AsyncIterator[ProcessPipeline]:
-    """Start a worker process per stage and yield a :class:`ProcessPipeline` over them."""
+    """Start a worker process per stage and yield a :class:`ProcessPipeline` over them.
+
+    ``blas_threads`` limits each worker's BLAS/OpenMP pool (None: inherit), so the
+    workers, not BLAS threads, are the unit of parallelism."""
     if not stages:
         raise InvalidCommand("a process pipeline needs at least one stage (got none)")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -281,7 +303,7 @@ async def open_process_pipeline(
             async with trio.open_nursery() as nursery:
                 try:
                     for i in range(len(specs)):
-                        worker, _ = await _spawn(i)
+                        worker, _ = await _spawn(i, blas_threads)
                         pipe.workers.append(worker)
                     eventfds = [await pipe._connect(w) for w in pipe.workers]
                     await pipe._mesh(eventfds)
@@ -333,6 +355,10 @@ async def _worker_main(fd: int) -> None:
     header, fds = await recv_message(sock)
     try:
         fn = _load(header["stage"])
+        if header.get("args") is not None:
+            fn = fn(**header["args"])
+            if not callable(fn):
+                raise InvalidCommand(f"stage factory {header['stage']!r} must return a callable")
     except Exception as exc:
         await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
@@ -367,30 +393,20 @@ async def _worker_main(fd: int) -> None:
             for name, pfd in zip(peers["names"], pfds, strict=True):
                 by_name[name].add_peer(pfd)
             inp, free, done = sigs
-            prog = device.program(header["stage"], fn)
-            k = Variable("k", 1, 2**62)
-            f = Variable("free", 0, 2**62)
-            queues = [
-                device.compute_queue()
-                .wait(inp, k)
-                .wait(free, f)
-                .exec(prog, (buffers[depth + s], buffers[s]))
-                .signal(done, k)
-                for s in range(depth)
-            ]
+            ins = [b._kernel_array() for b in buffers[:depth]]
+            outs = [b._kernel_array() for b in buffers[depth:]]
 
-            async def run() -> None:
-                fences: list[Any] = []
-                item = 0
-                while True:
-                    item += 1
-                    if len(fences) >= depth:
-                        await fences.pop(0)
-                    q = queues[item % depth]
-                    fences.append(await q.submit_async({k: item, f: max(0, item - depth)}))
+            async def engine() -> None:
+                error = await trio.to_thread.run_sync(
+                    _stage_loop, fn, ins, outs, inp, free, done, depth
+                )
+                if error is not None:
+                    text = f"{type(error).__name__}: {error}"
+                    with contextlib.suppress(PeerGone, OSError):
+                        await send_message(sock, {"op": "fault", "error": text})
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(run)
+                nursery.start_soon(engine)
                 while True:
                     try:
                         message, extra = await recv_message(sock)
@@ -400,10 +416,39 @@ async def _worker_main(fd: int) -> None:
                         os.close(e)
                     if message.get("op") == "stop":
                         break
-                nursery.cancel_scope.cancel()
-            raise _Stop  # leave the device by an exception: pending batches are dropped
+                for sig in sigs:  # wakes the stage thread out of its wait
+                    sig._break(DeviceClosed("the worker is stopping"))
+            raise _Stop  # leave the device by an exception: nothing is left to drain
     except _Stop:
         pass
+
+
+def _stage_loop(
+    fn: Callable[..., Any],
+    ins: list[npt.NDArray[Any]],
+    outs: list[npt.NDArray[Any]],
+    inp: Signal,
+    free: Signal,
+    done: Signal,
+    depth: int,
+) -> BaseException | None:
+    """The worker's engine thread: item after item, sleeping on the signals' eventfds.
+
+    Returns None when stopped (the signals were broken), or the stage's error."""
+    k = 0
+    try:
+        while True:
+            k += 1
+            slot = k % depth
+            inp.wait_sync(k)  # the input of item k is in place
+            if k > depth:
+                free.wait_sync(k - depth)  # the consumer is done with this output slot
+            fn(outs[slot], ins[slot])
+            done.value = k
+    except DeviceClosed:
+        return None
+    except BaseException as exc:
+        return exc
 
 
 def identity(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
@@ -419,6 +464,10 @@ def add_one(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     trio.run(_worker_main, int(args[0]))
+    sys.stdout.flush()
+    # Everything is closed or is released by the kernel with the process: skip the
+    # interpreter's slow teardown (it dominated a pipeline's close).
+    os._exit(0)
 
 
 if __name__ == "__main__":
