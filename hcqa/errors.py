@@ -38,11 +38,22 @@ class SignalTimeout(HcqaError):
     the value it had when the wait gave up.
     """
 
-    def __init__(self, message: str, *, signal: str = "", expected: int = 0, seen: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        signal: str = "",
+        expected: int = 0,
+        seen: int = 0,
+        device: str = "",
+        queue: str = "",
+    ) -> None:
         super().__init__(message)
         self.signal = signal
         self.expected = expected
         self.seen = seen
+        self.device = device
+        self.queue = queue
 
 
 class DeviceFault(HcqaError):

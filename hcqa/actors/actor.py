@@ -86,6 +86,7 @@ class QueueActor:
         self._waiting = False
         self._busy = False
         self._closed = False
+        self._leftover: list[Any] = []  # commands cut off by cancellation
         self.direct = 0  # batches that went straight to the engine
         self._table: dict[type, Callable[[Any], Awaitable[None]]] = {Batch: self._batch}
 
@@ -130,35 +131,52 @@ class QueueActor:
         task_status.started()
         try:
             async with self._recv:
-                while True:
-                    try:
-                        message = await self._recv.receive()
-                    except trio.EndOfChannel:
-                        break
-                    self.received += 1
-                    if self._space:
-                        self._space.unpark_all()
-                    handler = self._table.get(type(message))
-                    if handler is None:
-                        raise TypeError(
-                            f"queue {self.name!r} got an unknown message "
-                            f"{type(message).__name__} (expected Batch)"
-                        )
-                    self._busy = True
-                    try:
-                        await handler(message)
-                    finally:
-                        self._busy = False
+                try:
+                    await self._loop()
+                finally:
+                    while True:  # batches never received (only when cancelled)
+                        try:
+                            self._leftover.extend(self._recv.receive_nowait().commands)
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
         except trio.Cancelled:
             self.device._cancel()  # left by an exception or cancelled: abandon pending work
             raise
         finally:
+            # Abandoned work -- the rest of a batch cut off at a Wait, batches still in
+            # the channel -- goes to the engine too: with the device's error set, the
+            # engine skips it, breaking its signals and completing other devices' steps,
+            # so nobody waits for work that will never run.
+            if self._leftover:
+                self.engine.put(self._leftover)
             with trio.CancelScope(shield=True):
                 await self._stop_engine()
 
+    async def _loop(self) -> None:
+        while True:
+            try:
+                message = await self._recv.receive()
+            except trio.EndOfChannel:
+                break
+            self.received += 1
+            if self._space:
+                self._space.unpark_all()
+            handler = self._table.get(type(message))
+            if handler is None:
+                raise TypeError(
+                    f"queue {self.name!r} got an unknown message "
+                    f"{type(message).__name__} (expected Batch)"
+                )
+            self._busy = True
+            try:
+                await handler(message)
+            finally:
+                self._busy = False
+
     async def _batch(self, batch: Batch) -> None:
         run: list[Any] = []
-        for command in batch.commands:
+        commands = batch.commands
+        for i, command in enumerate(commands):
             if type(command) is not cmd.Wait:
                 run.append(command)
                 continue
@@ -176,6 +194,9 @@ class QueueActor:
                 )
             except HcqaError as exc:
                 self.device._fault(exc)
+            except trio.Cancelled:
+                self._leftover = commands[i + 1 :]
+                raise
             finally:
                 self._waiting = False
             if _engine.trace_hook is not None:  # tracing: a flow arrow into `run`'s first range

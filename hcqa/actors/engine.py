@@ -72,6 +72,7 @@ class Engine:
         # device from any thread, read once per command here. Once set, nothing runs.
         self.error: BaseException | None = None
         self.timeline: Any = None  # the owning device's timeline (set by the device)
+        self._dead = False
         self._on_fault = on_fault
         self.exited = Signal(name=f"{name} engine exit")
         self.executed = 0
@@ -83,6 +84,17 @@ class Engine:
     def put(self, run: list[Any]) -> None:
         """Queue a run of commands (called from the actor's task)."""
         self._inbox.put(run)
+        if self._dead:  # nobody will run it: skip it here (breaking its signals)
+            self._drain_dead()
+
+    def _drain_dead(self) -> None:
+        while True:
+            try:
+                run = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for command in run or ():
+                self._skip(command, self.error)
 
     def stop(self) -> None:
         """Ask the thread to exit once it has handled everything queued before."""
@@ -103,7 +115,7 @@ class Engine:
 
     def _main(self) -> None:
         inbox, handlers = self._inbox, self._table
-        stopped = False
+        died: BaseException | None = None
         try:
             while (run := inbox.get()) is not None:
                 hook = trace_hook  # tracing: one global read per run
@@ -125,10 +137,16 @@ class Engine:
                         self._on_fault(command, exc)
                         self._skip(command, self.error)
                     self.executed += 1
-            stopped = True
+        except BaseException as exc:  # an error outside any handler: the thread dies
+            died = exc
+            raise
         finally:
-            if not stopped:  # the thread is dying of an error outside any handler
-                self._on_fault(None, RuntimeError(f"engine thread {self.name!r} died"))
+            if died is not None:
+                error = RuntimeError(f"engine thread {self.name!r} died: {died!r}")
+                error.__cause__ = died
+                self._on_fault(None, error)
+                self._dead = True
+                self._drain_dead()  # what was queued behind the fatal run
             self.exited._set_from_engine(1)
 
     def _skip(self, command: Any, error: BaseException | None) -> None:

@@ -38,7 +38,14 @@ from hcqa.devices.buffer import Buffer, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
-from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, QueueFull
+from hcqa.errors import (
+    DeviceClosed,
+    DeviceFault,
+    HcqaError,
+    InvalidCommand,
+    QueueFull,
+    SignalTimeout,
+)
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
@@ -87,6 +94,7 @@ class Device:
         self._closing = False
         self._cancelled = False
         self._hung = False
+        self._still_read = False
         self._started = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
         self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
@@ -193,6 +201,9 @@ class Device:
 
     async def synchronize(self) -> None:
         """Wait until everything enqueued so far is done; raise the device's error if any."""
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            raise DeviceClosed(f"{self.name} is closed")
         if self._error is not None:
             await trio.lowlevel.checkpoint()
             self._raise_error()
@@ -254,12 +265,32 @@ class Device:
         self._fault(fault)
 
     def _hang(self, exc: BaseException) -> None:
-        """A SignalTimeout reached a caller: the device is hung."""
+        """A SignalTimeout reached a caller: the device is hung. Its message gains the
+        queues that are behind, so the error says where the device is stuck."""
+        behind = [
+            f"{a.name} queue at {a.signal.value} of {a.value}"
+            for a in self._queues.values()
+            if a.signal.value < a.value
+        ]
+        if behind and isinstance(exc, SignalTimeout) and exc.args:
+            exc.args = (f"{exc.args[0]}; stuck: {', '.join(behind)}", *exc.args[1:])
+            exc.queue = behind[0].split(" queue")[0]
         self._hung = True
         self._fault(exc)
 
     def _hung_at_close(self, actor: QueueActor) -> None:
+        """Closing found ``actor``'s engine stuck (no progress for the hang limit)."""
         self._hung = True
+        stuck = actor.signal.value
+        self._fault(
+            SignalTimeout(
+                f"{actor.name} queue: no progress for the hang limit of {self.hang_limit:g} s "
+                f"while closing (at {stuck} of {actor.value}): a kernel or copy is stuck",
+                signal=actor.signal.name,
+                expected=actor.value,
+                seen=stuck,
+            )
+        )
 
     def _engine(self, kind: str) -> Engine:
         return Engine(
@@ -418,14 +449,14 @@ class Device:
                     tl.foreign_reserved, self.hang_limit, f"{self.name} closing", observe=False
                 )
             except HcqaError:
-                self._hung = True  # still read by a stuck device: keep the memory mapped
+                self._hung = True
+                self._still_read = True  # by a stuck device: keep the memory mapped
 
     def _release(self) -> None:
         """Close signals and memory once the actors are done (threads joined)."""
         self._closing = True
         self._closed = True
-        hung = self._hung or any(a.engine.alive for a in self._queues.values())
-        if hung:
+        if self._still_read or any(a.engine.alive for a in self._queues.values()):
             self._hung = True
             return  # a stuck engine may still write our memory and signals: leave them
         self._timeline.close()
@@ -438,6 +469,8 @@ class Device:
 
 
 def _describe(command: Any) -> str:
+    if command is None:
+        return "the engine thread"
     if isinstance(command, cmd.Exec):
         return f"program {command.program.name!r}"
     if isinstance(command, cmd.Copy):

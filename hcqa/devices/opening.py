@@ -156,7 +156,7 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     unseen: list[BaseException] = []
     for d in devices:
         err = d._error
-        fresh = isinstance(err, HcqaError) and not err.observed and not d._hung
+        fresh = isinstance(err, HcqaError) and not err.observed
         if fresh and err is not None and all(err is not u for u in unseen):
             err.observed = True  # type: ignore[attr-defined]
             unseen.append(err)

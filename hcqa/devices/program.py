@@ -230,12 +230,12 @@ class Program:
             raise InvalidCommand(f"{self.name!r}.timed() can't be captured: call the program")
         exec_ = self.validate(bufs, vals, global_size, local_size)
         start, end = Signal(name=f"{self.name} start"), Signal(name=f"{self.name} end")
-        try:
-            await self.device._enqueue_exec(exec_, timed=(start, end))
-            return (end._stamp.value - start._stamp.value) / 1e9
-        finally:
-            start.close()
-            end.close()
+        fence = self.device._enqueue_exec(exec_, timed=(start, end))
+        await fence  # if this is cancelled, the queued Timestamps keep both signals alive
+        seconds = (end._stamp.value - start._stamp.value) / 1e9
+        start.close()
+        end.close()
+        return seconds
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} ({self.kind}) on {self.device.name}>"
