@@ -1,0 +1,648 @@
+"""Process-pipeline benchmark (issue 9): hcqa's worker processes vs Ray Compiled Graphs.
+
+Run from the repository root (the stage workers import ``bench._stages`` from there)::
+
+    python -m bench.bench_workers            # 3 rounds per side, interleaved (about 2 min)
+    python -m bench.bench_workers --quick    # 1 round per side, fewer items
+    python -m bench.bench_workers --no-ray   # hcqa only
+    python -m bench.bench_workers --hops     # hcqa only: where an item's time goes, per hop
+
+The pipeline: 2 stages in 2 worker processes, each a trivial numpy stage (``out = inp + 1``).
+
+* **hcqa**: ``open_process_pipeline(["hcqa.workers:add_one"] * 2, depth=10)``; the coordinator
+  is this process, the stages run in ``pipe.workers[i].pid``.
+* **Ray Compiled Graphs** (optional: ``pip install "ray[default]"``): two actors, each with the
+  same stage, ``b.fwd.bind(a.fwd.bind(inp)).experimental_compile(_max_inflight_executions=10)``,
+  on a local Ray started with ``ray.init(include_dashboard=False, num_cpus=2)`` and shut down
+  after.
+
+Measured per side, for 16 float32 and for 4 MiB items:
+
+* latency per item: sequential ``await pipe(x)`` / ``ray.get(cdag.execute(x))``, p50 and p99;
+* items/s with 10 in flight: 10 concurrent callers on a depth-10 pipeline / a window of 10
+  outstanding ``execute`` refs (``ray.get`` of the oldest before the next submit);
+* CPU used by every process of the pipeline (utime + stime from ``/proc/<pid>/stat``): over 2 s
+  idle (pipeline open, nothing submitted), and during one item whose first stage sleeps 1 s
+  (``bench._stages:sleep_1s``); for Ray also its cluster daemons (raylet, GCS, idle workers);
+* teardown: leaving ``async with open_process_pipeline(...)`` with 10 items in flight /
+  ``cdag.teardown()`` with 10 executions outstanding, run in a thread with a 20 s limit:
+  "hung" past it.
+
+Each side runs in its own child process (``--child``), one round at a time, alternating which
+side goes first, so load from the host hits both; the table reports medians over rounds.
+Targets: latency <= 0.3x Ray's, items/s >= 3x Ray's, idle CPU < 5 % of a core, teardown < 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bench._stages import KERNEL_SECONDS
+from bench._util import markdown_table, percentile
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = 16  # float32 items
+BIG = (4 << 20) // 4  # float32 items: 4 MiB
+IN_FLIGHT = 10
+TEARDOWN_LIMIT = 20.0  # seconds before a teardown counts as hung
+STAGE = "hcqa.workers:add_one"
+SLOW_STAGE = "bench._stages:sleep_1s"
+
+LATENCY_TARGET = 0.3  # hcqa p50 / Ray p50 at most
+THROUGHPUT_TARGET = 3.0  # hcqa items/s / Ray items/s at least
+IDLE_TARGET = 5.0  # % of one core, all hcqa processes together
+TEARDOWN_TARGET = 1.0  # seconds
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    rounds: int
+    warmup: int
+    lat_small: int
+    lat_big: int
+    tput_small: int
+    tput_big: int
+    idle_s: float
+    child_timeout_s: float
+
+
+FULL = Plan("full", 3, 100, 2000, 200, 3000, 200, 2.0, 300.0)
+QUICK = Plan("quick", 1, 20, 300, 30, 500, 40, 2.0, 240.0)
+PLANS = {p.name: p for p in (FULL, QUICK)}
+
+Value = float | str  # a measurement, or "hung" / an error note
+
+
+# -- CPU accounting from /proc ---------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat from field 3 (state) on; None when the process is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of ``pid`` so far (0 when it is gone)."""
+    f = _stat(pid)
+    return 0.0 if f is None else (int(f[11]) + int(f[12])) / _TICK
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (tells a reused pid apart)."""
+    f = _stat(pid)
+    return -1 if f is None else int(f[19])
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            f = _stat(int(name))
+            if f is not None:
+                children.setdefault(int(f[1]), []).append(int(name))
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+class CpuWindow:
+    """CPU used by groups of processes between construction and :meth:`stop`."""
+
+    def __init__(self, groups: Mapping[str, Sequence[int]]) -> None:
+        self.groups = {k: list(v) for k, v in groups.items()}
+        self.start = {p: cpu_seconds(p) for pids in self.groups.values() for p in pids}
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> tuple[float, dict[str, float]]:
+        """(wall seconds, % of one core per group)."""
+        wall = time.perf_counter() - self.t0
+        pct = {
+            k: 100.0 * sum(cpu_seconds(p) - self.start[p] for p in pids) / wall
+            for k, pids in self.groups.items()
+        }
+        return wall, pct
+
+
+# -- the child side: one round of one contender, results as JSON lines on stdout ------------------
+
+
+def emit(key: str, value: Any) -> None:
+    print(json.dumps({key: value}), flush=True)
+
+
+def emit_latency(tag: str, samples: Sequence[float]) -> None:
+    emit(f"lat_{tag}_p50", percentile(samples, 50) * 1e6)
+    emit(f"lat_{tag}_p99", percentile(samples, 99) * 1e6)
+
+
+def emit_cpu(key: str, pct: dict[str, float]) -> None:
+    emit(key, sum(v for k, v in pct.items() if not k.startswith("ray-daemons")))
+    for k, v in pct.items():
+        emit(f"{key}:{k}", v)
+
+
+async def _hcqa_round(plan: Plan) -> None:
+    import trio
+
+    from hcqa.workers import ProcessPipeline, open_process_pipeline
+
+    me = os.getpid()
+
+    async def flood(pipe: ProcessPipeline, x: npt.NDArray[np.float32]) -> None:
+        while True:
+            await pipe(x)
+
+    async def payload(tag: str, n: int, lat_n: int, tput_n: int, idle: bool) -> None:
+        x = np.arange(n, dtype=np.float32)
+        t0 = time.perf_counter()
+        async with open_process_pipeline(
+            [STAGE, STAGE], in_shape=(n,), dtype="float32", depth=IN_FLIGHT
+        ) as pipe:
+            emit(f"setup_{tag}", time.perf_counter() - t0)
+            workers = [w.pid for w in pipe.workers]
+            for _ in range(plan.warmup // (1 if n == SMALL else 10)):
+                y = await pipe(x)
+            np.testing.assert_array_equal(y, x + 2)
+            samples = []
+            for _ in range(lat_n):
+                t = time.perf_counter()
+                await pipe(x)
+                samples.append(time.perf_counter() - t)
+            emit_latency(tag, samples)
+
+            left = [tput_n]
+
+            async def caller() -> None:
+                while left[0] > 0:
+                    left[0] -= 1
+                    await pipe(x)
+
+            t = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for _ in range(IN_FLIGHT):
+                    nursery.start_soon(caller)
+            emit(f"tput_{tag}", tput_n / (time.perf_counter() - t))
+
+            if idle:
+                window = CpuWindow({"coordinator": [me], "workers": workers})
+                await trio.sleep(plan.idle_s)
+                emit_cpu("idle_cpu", window.stop()[1])
+
+            # teardown with IN_FLIGHT callers mid-item
+            async with trio.open_nursery() as nursery:
+                for _ in range(IN_FLIGHT):
+                    nursery.start_soon(flood, pipe, x)
+                start = pipe.completed
+                while pipe.completed < start + IN_FLIGHT:  # flowing: every caller is mid-item
+                    await trio.sleep(0.001)
+                nursery.cancel_scope.cancel()
+                t_cancel = time.perf_counter()
+        emit(f"teardown_{tag}", time.perf_counter() - t_cancel)
+        alive = [p for p in workers if _stat(p) is not None]
+        if alive:
+            emit(f"teardown_{tag}_leftover", alive)
+
+    await payload("small", SMALL, plan.lat_small, plan.tput_small, idle=True)
+
+    async with open_process_pipeline(
+        [SLOW_STAGE, STAGE], in_shape=(SMALL,), dtype="float32", depth=2
+    ) as pipe:
+        await pipe(np.zeros(SMALL, np.float32))  # warm: no sleep for a leading 0
+        window = CpuWindow({"coordinator": [me], "workers": [w.pid for w in pipe.workers]})
+        await pipe(np.ones(SMALL, np.float32))
+        wall, pct = window.stop()
+        emit_cpu("busy_cpu", pct)
+        emit("busy_wall", wall)
+
+    await payload("big", BIG, plan.lat_big, plan.tput_big, idle=False)
+
+
+class _RayStage:
+    """The Ray side's actor: the same trivial numpy stage (and the sleeping one)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fwd(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        return x + 1
+
+    def slow(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        if x.flat[0] != 0:
+            time.sleep(KERNEL_SECONDS)
+        return x + 1
+
+
+def guarded(fn: Callable[[], object], limit: float = TEARDOWN_LIMIT) -> Value:
+    """Seconds ``fn()`` took in a daemon thread; "hung" past ``limit``, or the error."""
+    box: dict[str, Value] = {}
+
+    def run() -> None:
+        t = time.perf_counter()
+        try:
+            fn()
+        except BaseException as exc:
+            box["v"] = f"error: {type(exc).__name__}: {exc}"[:200]
+            return
+        box["v"] = time.perf_counter() - t
+
+    thread = threading.Thread(target=run, daemon=True, name="guarded")
+    thread.start()
+    thread.join(limit)
+    return box.get("v", "hung")
+
+
+def _ray_round(plan: Plan) -> None:
+    # imported by name: an optional extra, typed as Any whether or not it is installed
+    ray: Any = importlib.import_module("ray")
+    InputNode: Any = importlib.import_module("ray.dag").InputNode
+
+    me = os.getpid()
+    t = time.perf_counter()
+    ray.init(
+        include_dashboard=False, num_cpus=2, log_to_driver=False, logging_level=logging.WARNING
+    )
+    emit("init_s", time.perf_counter() - t)
+    stage: Any = ray.remote(_RayStage)
+    a, b = stage.remote(), stage.remote()
+    actors = ray.get([a.pid.remote(), b.pid.remote()])
+    everyone = descendants(me)
+    emit("ray_pids", [[p, start_time(p)] for p in everyone])
+    groups = {
+        "driver": [me],
+        "actors": actors,
+        "ray-daemons": [p for p in everyone if p not in actors],
+    }
+
+    def compile_(first: str) -> Any:
+        with InputNode() as inp:
+            dag = b.fwd.bind(getattr(a, first).bind(inp))
+        return dag.experimental_compile(_max_inflight_executions=IN_FLIGHT)
+
+    def payload(tag: str, n: int, lat_n: int, tput_n: int, idle: bool) -> bool:
+        x = np.arange(n, dtype=np.float32)
+        t0 = time.perf_counter()
+        cdag = compile_("fwd")
+        emit(f"setup_{tag}", time.perf_counter() - t0)
+        for _ in range(plan.warmup // (1 if n == SMALL else 10)):
+            ray.get(cdag.execute(x))
+        # Ray hands back a zero-copy view of its channel buffer, which stays locked while
+        # the view lives (holding it deadlocks the next read): copy what is kept.
+        y = np.array(ray.get(cdag.execute(x)))
+        np.testing.assert_array_equal(y, x + 2)
+        samples = []
+        for _ in range(lat_n):
+            t = time.perf_counter()
+            ray.get(cdag.execute(x))
+            samples.append(time.perf_counter() - t)
+        emit_latency(tag, samples)
+
+        window: collections.deque[Any] = collections.deque()
+        t = time.perf_counter()
+        for _ in range(tput_n):
+            if len(window) >= IN_FLIGHT:
+                ray.get(window.popleft())
+            window.append(cdag.execute(x))
+        while window:
+            ray.get(window.popleft())
+        emit(f"tput_{tag}", tput_n / (time.perf_counter() - t))
+
+        if idle:
+            cw = CpuWindow(groups)
+            time.sleep(plan.idle_s)
+            emit_cpu("idle_cpu", cw.stop()[1])
+
+        refs = [cdag.execute(x) for _ in range(IN_FLIGHT)]  # outstanding at teardown
+        took = guarded(cdag.teardown)
+        emit(f"teardown_{tag}", took)
+        if isinstance(took, str):
+            return False
+        del refs
+        return True
+
+    ok = payload("small", SMALL, plan.lat_small, plan.tput_small, idle=True)
+    if ok:
+        cdag = compile_("slow")
+        ray.get(cdag.execute(np.zeros(SMALL, np.float32)))
+        cw = CpuWindow(groups)
+        ray.get(cdag.execute(np.ones(SMALL, np.float32)))
+        wall, pct = cw.stop()
+        emit_cpu("busy_cpu", pct)
+        emit("busy_wall", wall)
+        took = guarded(cdag.teardown)
+        ok = not isinstance(took, str)
+    if ok:
+        ok = payload("big", BIG, plan.lat_big, plan.tput_big, idle=False)
+    everyone = descendants(me)  # again, for the parent's clean-up should shutdown hang
+    emit("ray_pids", [[p, start_time(p)] for p in everyone])
+    emit("shutdown_s", guarded(ray.shutdown))
+
+
+def child_main(side: str, plan: Plan) -> None:
+    if side == "hcqa":
+        import trio
+
+        trio.run(_hcqa_round, plan)
+    else:
+        _ray_round(plan)
+    sys.stdout.flush()
+    os._exit(0)  # a hung Ray thread must not hold the process at exit
+
+
+# -- the parent side: rounds, medians, the table --------------------------------------------
+
+
+def _kill_leftovers(results: dict[str, Value | list[Any]]) -> None:
+    """Kill processes a Ray child started that outlived it (pid and start time must match),
+    then remove the named semaphores its processes left in /dev/shm (``sem.hdr<pid>-*``,
+    ``sem.obj<pid>-*``: Ray's shared-memory channels leave them behind after shutdown)."""
+    pairs = results.get("ray_pids")
+    if not isinstance(pairs, list):
+        return
+    for pid, started in pairs:
+        if start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shm = Path("/dev/shm")
+    for pid, _ in pairs:
+        if _stat(pid) is None:
+            for kind in ("hdr", "obj"):
+                for leftover in shm.glob(f"sem.{kind}{pid}-*"):
+                    leftover.unlink(missing_ok=True)
+
+
+def run_child(side: str, plan: Plan) -> dict[str, Any]:
+    """One round of ``side`` in a child process (its own session); what it reported."""
+    cmd = [sys.executable, "-m", "bench.bench_workers", "--child", side, "--plan", plan.name]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=plan.child_timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        err += f"\n[bench] {side} round timed out after {plan.child_timeout_s:.0f} s".encode()
+    results: dict[str, Any] = {}
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("{"):
+            results.update(json.loads(line))
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session is left
+    except ProcessLookupError:
+        pass
+    _kill_leftovers(results)
+    if proc.returncode != 0 or "teardown_big" not in results:
+        tail = err.decode(errors="replace").strip().splitlines()[-15:]
+        results["error"] = f"rc={proc.returncode}: " + " / ".join(tail)
+    return results
+
+
+def _median(rounds: Sequence[dict[str, Any]], key: str) -> Value | None:
+    vals = [r[key] for r in rounds if key in r]
+    if not vals:
+        return None
+    nums = [float(v) for v in vals if isinstance(v, int | float)]
+    bad = [v for v in vals if not isinstance(v, int | float)]
+    if bad:
+        hung = sum(1 for v in bad if v == "hung")
+        what = "hung" if hung == len(bad) else str(bad[0])
+        note = f"{what} in {len(bad)}/{len(vals)} rounds"
+        return note + (f" (others {statistics.median(nums):.3g})" if nums else "")
+    return statistics.median(nums)
+
+
+def _fmt(v: Value | None, unit: str) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    if unit == "us":
+        return f"{v:,.0f} µs"
+    if unit == "ips":
+        return f"{v:,.0f}/s"
+    if unit == "pct":
+        return f"{v:.1f} %"
+    if unit == "s":
+        return f"{v * 1e3:,.0f} ms" if v < 1 else f"{v:.2f} s"
+    return f"{v:.3g}"
+
+
+def _ratio(h: Value | None, r: Value | None) -> float | None:
+    if isinstance(h, int | float) and isinstance(r, int | float) and r > 0:
+        return float(h) / float(r)
+    return None
+
+
+def report(hc: Sequence[dict[str, Any]], ry: Sequence[dict[str, Any]], with_ray: bool) -> bool:
+    """Print the table and the verdicts; True when every judged target was met."""
+
+    def m(side: Sequence[dict[str, Any]], key: str) -> Value | None:
+        return _median(side, key) if side else None
+
+    rows: list[list[str]] = []
+    ratios: dict[str, float | None] = {}
+    spec = [
+        ("lat_small_p50", "latency p50, 16 float32", "us", f"≤ {LATENCY_TARGET}x Ray"),
+        ("lat_small_p99", "latency p99, 16 float32", "us", ""),
+        ("lat_big_p50", "latency p50, 4 MiB", "us", f"≤ {LATENCY_TARGET}x Ray"),
+        ("lat_big_p99", "latency p99, 4 MiB", "us", ""),
+        ("tput_small", "items/s, 10 in flight, 16 float32", "ips", f"≥ {THROUGHPUT_TARGET}x Ray"),
+        ("tput_big", "items/s, 10 in flight, 4 MiB", "ips", ""),
+        ("idle_cpu", "CPU idle 2 s: coordinator/driver + 2 workers", "pct", f"< {IDLE_TARGET} %"),
+        ("idle_cpu:ray-daemons", "CPU idle 2 s: Ray daemons (raylet, GCS, ...)", "pct", ""),
+        ("busy_cpu", "CPU while stage 1 sleeps 1 s: coordinator + workers", "pct", ""),
+        ("busy_cpu:ray-daemons", "CPU while stage 1 sleeps 1 s: Ray daemons", "pct", ""),
+        ("teardown_small", "teardown, 10 in flight, 16 float32", "s", f"< {TEARDOWN_TARGET} s"),
+        ("teardown_big", "teardown, 10 in flight, 4 MiB", "s", f"< {TEARDOWN_TARGET} s"),
+        ("setup_small", "setup: open pipeline / compile graph", "s", ""),
+        ("init_s", "setup: ray.init", "s", ""),
+        ("shutdown_s", "ray.shutdown", "s", ""),
+    ]
+    for key, label, unit, target in spec:
+        h, r = m(hc, key), m(ry, key)
+        if h is None and r is None:
+            continue
+        ratio = _ratio(h, r) if unit != "pct" else None  # a ratio of ~0 % says nothing
+        ratios[key] = ratio
+        rows.append(
+            [label, _fmt(h, unit), _fmt(r, unit), "–" if ratio is None else f"{ratio:.2f}x", target]
+        )
+    print(markdown_table(["metric", "hcqa", "Ray Compiled Graphs", "hcqa/Ray", "target"], rows))
+
+    def pct_breakdown(side: Sequence[dict[str, Any]], key: str) -> str:
+        parts = []
+        for grp in ("coordinator", "workers", "driver", "actors"):
+            v = m(side, f"{key}:{grp}")
+            if v is not None:
+                parts.append(f"{grp} {_fmt(v, 'pct')}")
+        return ", ".join(parts)
+
+    print()
+    for key, what in (("idle_cpu", "idle"), ("busy_cpu", "stage sleeping 1 s")):
+        print(f"CPU {what}: hcqa {pct_breakdown(hc, key)}; Ray {pct_breakdown(ry, key) or '–'}")
+    print()
+
+    verdicts: list[bool] = []
+
+    def verdict(line: str, ok: bool | None) -> None:
+        if ok is not None:
+            verdicts.append(ok)
+        state = "n/a" if ok is None else ("met" if ok else "MISSED")
+        print(f"- {line}: {state}")
+
+    for key, what in (("lat_small_p50", "16 float32"), ("lat_big_p50", "4 MiB")):
+        ratio = ratios.get(key)
+        shown = "no Ray numbers" if ratio is None else f"{ratio:.2f}x Ray"
+        verdict(
+            f"latency {what} ≤ {LATENCY_TARGET}x Ray's ({shown})",
+            None if ratio is None else ratio <= LATENCY_TARGET,
+        )
+    ratio = ratios.get("tput_small")
+    verdict(
+        f"items/s with 10 in flight ≥ {THROUGHPUT_TARGET}x Ray's "
+        f"({'no Ray numbers' if ratio is None else f'{ratio:.2f}x Ray'})",
+        None if ratio is None else ratio >= THROUGHPUT_TARGET,
+    )
+    idle = m(hc, "idle_cpu")
+    verdict(
+        f"idle CPU < {IDLE_TARGET} % of a core ({_fmt(idle, 'pct')})",
+        isinstance(idle, float) and idle < IDLE_TARGET,
+    )
+    for key, what in (("teardown_small", "16 float32"), ("teardown_big", "4 MiB")):
+        td = m(hc, key)
+        verdict(
+            f"teardown {what} < {TEARDOWN_TARGET} s ({_fmt(td, 's')})",
+            isinstance(td, float) and td < TEARDOWN_TARGET,
+        )
+    if not with_ray:
+        print("- (Ray not run: latency and throughput ratios not judged)")
+    return all(verdicts)
+
+
+def _per_round(name: str, rounds: Iterable[dict[str, Any]]) -> str:
+    keys = ("lat_small_p50", "lat_big_p50", "tput_small", "idle_cpu", "teardown_big")
+    parts = []
+    for r in rounds:
+        vals = []
+        for k in keys:
+            v = r.get(k)
+            vals.append(f"{k}={v:.4g}" if isinstance(v, int | float) else f"{k}={v}")
+        parts.append(" ".join(vals))
+    return f"{name}: " + " | ".join(parts)
+
+
+async def _hops(items: int) -> None:
+    """Where an item's time goes in hcqa: the stages stamp their kernels' start and end
+    (``bench._stages:stamp0/1``, float64 payloads), the coordinator stamps submit/return."""
+    from hcqa.workers import open_process_pipeline
+
+    names = ["submit -> stage 0 starts", "stage 0 runs", "stage 0 ends -> stage 1 starts"]
+    names += ["stage 1 runs", "stage 1 ends -> caller resumes", "total"]
+    rows: list[list[str]] = []
+    for tag, n, count in (("16 float64", SMALL, items), ("4 MiB", (4 << 20) // 8, items // 10)):
+        stages = ["bench._stages:stamp0", "bench._stages:stamp1"]
+        async with open_process_pipeline(
+            stages, in_shape=(n,), dtype="float64", depth=IN_FLIGHT
+        ) as pipe:
+            x = np.zeros(n)
+            for _ in range(20):
+                await pipe(x)
+            marks = []
+            for _ in range(count):
+                t0 = time.monotonic_ns()
+                y = await pipe(x)
+                marks.append([t0, *y[:4], time.monotonic_ns()])
+        d = np.diff(np.array(marks, dtype=np.float64), axis=1) / 1e3
+        spans = [*d.T, d.sum(axis=1)]
+        for name, span in zip(names, spans, strict=True):
+            p50, p99 = np.percentile(span, [50, 99])
+            rows.append([tag, name, f"{p50:,.0f} µs", f"{p99:,.0f} µs"])
+    print(markdown_table(["payload", "span", "p50", "p99"], rows))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="1 round per side, fewer items")
+    parser.add_argument("--no-ray", action="store_true", help="hcqa only")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per side")
+    parser.add_argument(
+        "--hops", action="store_true", help="hcqa only: where an item's time goes, per hop"
+    )
+    parser.add_argument("--child", choices=("hcqa", "ray"), help=argparse.SUPPRESS)
+    parser.add_argument("--plan", choices=tuple(PLANS), default="full", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args.child, PLANS[args.plan])
+        return 0
+
+    if args.hops:
+        import trio
+
+        trio.run(_hops, 300 if args.quick else 2000)
+        return 0
+    plan = QUICK if args.quick else FULL
+    rounds = args.rounds or plan.rounds
+    with_ray = not args.no_ray and importlib.util.find_spec("ray") is not None
+    ray_note = "" if with_ray or args.no_ray else " (ray not importable: Ray side skipped)"
+    print(
+        f"# bench_workers{' --quick' if args.quick else ''}: 2 stages (out = inp + 1) in 2 worker "
+        f"processes, {rounds} round(s) per side, interleaved; {os.cpu_count()} CPUs, load "
+        f"{os.getloadavg()[0]:.1f}{ray_note}\n"
+    )
+    started = time.perf_counter()
+    hc: list[dict[str, Any]] = []
+    ry: list[dict[str, Any]] = []
+    for r in range(rounds):
+        order = ["hcqa", "ray"] if r % 2 == 0 else ["ray", "hcqa"]
+        for side in order:
+            if side == "ray" and not with_ray:
+                continue
+            res = run_child(side, plan)
+            (hc if side == "hcqa" else ry).append(res)
+            if "error" in res:
+                print(f"[round {r + 1}, {side}] {res['error']}", file=sys.stderr)
+    ok = report(hc, ry, with_ray)
+    print()
+    print(_per_round("hcqa rounds", hc))
+    if ry:
+        print(_per_round("Ray rounds", ry))
+    print(f"\n(ran in {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f})")
+    return 0 if ok or args.quick else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
