@@ -8,7 +8,7 @@ Run from the repository root::
 The work is ``hcqa demo``'s: a 4-layer float32 MLP (``relu(x @ W + b)`` per layer), microbatches
 of ``batch_size x hidden``, BLAS held to one thread everywhere.
 
-* **hcqa**: the demo's two-stage Pipeline (layers 1-2 on ``cpu:0``, 3-4 on ``cpu:1``, depth 2,
+* **hcqa**: the demo's two-stage Pipeline (layers 1-2 on ``cpu:0``, 3-4 on ``cpu:1``, depth 3,
   weights loaded from a file with ``Buffer.load``) against the same work as one stage on
   ``cpu:0`` at the same depth: ``S_hcqa = t(1 device) / t(2 devices)``.
 * **control**: the ideal 2-core speedup on this host right now. Two worker processes, forked
@@ -63,6 +63,11 @@ QUICK = Plan(MlpSpec(batches=8, batch_size=64, hidden=256), rounds=2)
 
 
 # -- the control: forked numpy workers -------------------------------------------------------
+
+
+# Microbatches in flight: with 2 stages, depth 2 leaves a bubble in stage 1 while the
+# caller collects a result and feeds the next; one more keeps both devices busy.
+DEPTH = 3
 
 
 def _worker(conn: Connection, spec: MlpSpec) -> None:
@@ -130,7 +135,7 @@ async def _measure(plan: Plan, control: Control, workdir: str) -> list[dict[str,
     layout = save_weights(weights, path)
     rounds: list[dict[str, float]] = []
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-        pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth=2)
+        pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth=DEPTH)
         for p in (pipe, seq):
             await p(xs[0])  # warm-up
         for r in range(plan.rounds):

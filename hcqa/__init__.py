@@ -25,6 +25,7 @@ from hcqa.queue import Queue
 from hcqa.signals import Fence, Signal, SignalStatistics
 from hcqa.trace import Tracer
 from hcqa.variables import Variable
+from hcqa.workers import ProcessPipeline, ProcessStage, open_process_pipeline
 
 __version__ = "0.1.0"
 
@@ -43,6 +44,8 @@ __all__ = [
     "OutOfMemory",
     "Pipeline",
     "PipelineStatistics",
+    "ProcessPipeline",
+    "ProcessStage",
     "Program",
     "Queue",
     "QueueFull",
@@ -55,5 +58,6 @@ __all__ = [
     "capture",
     "open_device",
     "open_devices",
+    "open_process_pipeline",
     "transfer",
 ]

@@ -172,20 +172,7 @@ async def drive_processes(
     ]
     async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
         await pipe(xs[0])  # warm-up
-        results: list[Any] = [None] * len(xs)
-        indices: Iterator[int] = iter(range(len(xs)))
-
-        async def worker() -> None:
-            for i in indices:
-                results[i] = await pipe(xs[i])
-                if on_result is not None:
-                    on_result()
-
-        start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for _ in range(min(depth, len(xs))):
-                nursery.start_soon(worker)
-        elapsed = time.perf_counter() - start
+        results, elapsed = await drive(pipe, xs, on_result)
         pids = ", ".join(str(w.pid) for w in pipe.workers)
     return results, elapsed, f"2 worker processes (pids {pids})"
 
@@ -233,7 +220,9 @@ async def build_pipelines(
 
 
 async def drive(
-    pipe: hcqa.Pipeline, xs: Sequence[F32], on_result: Callable[[], None] | None = None
+    pipe: hcqa.Pipeline | hcqa.ProcessPipeline,
+    xs: Sequence[F32],
+    on_result: Callable[[], None] | None = None,
 ) -> tuple[list[F32], float]:
     """Run every ``x`` through ``pipe`` with ``depth`` in flight; (outputs, wall seconds)."""
     results: list[Any] = [None] * len(xs)
@@ -313,7 +302,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--batches", type=int, help=f"microbatches to run (default {f.batches})")
     add("--batch-size", type=int, help=f"rows per microbatch (default {f.batch_size})")
     add("--hidden", type=int, help=f"layer width (default {f.hidden})")
-    add("--depth", type=int, default=2, help="microbatches in flight (default 2)")
+    add("--depth", type=int, default=3, help="microbatches in flight (default 3)")
     add("--quick", action="store_true", help="a tiny run (about a second), for tests")
     add(
         "--processes",
