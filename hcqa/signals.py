@@ -255,7 +255,10 @@ class Signal:
             os.eventfd_write(peer, 1)
 
     def _set_from_engine(self, value: int, stamp_ns: int | None = None) -> None:
-        """Fast path for engine threads: no checks, optional timestamp."""
+        """Fast path for engine threads: no argument checks, optional timestamp. A closed
+        signal is left alone (its slot may already belong to another signal)."""
+        if self._closed:
+            return
         if stamp_ns is not None:
             self._stamp.value = stamp_ns
         self._value.value = value

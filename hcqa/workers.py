@@ -297,39 +297,45 @@ async def open_process_pipeline(
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise InvalidCommand(f"'depth' must be an int >= 1 (got {depth!r})")
     specs = [ProcessStage(fn=s) if isinstance(s, str) else s for s in stages]
-    async with open_device("cpu:0") as device:
-        pipe = ProcessPipeline(device, specs, in_shape=in_shape, dtype=dtype, depth=depth)
-        error: BaseException | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    for i in range(len(specs)):
-                        worker, _ = await _spawn(i, blas_threads)
-                        pipe.workers.append(worker)
-                    eventfds = [await pipe._connect(w) for w in pipe.workers]
-                    await pipe._mesh(eventfds)
-                    for w in pipe.workers:
-                        nursery.start_soon(pipe._watch, w)
-                    yield pipe
-                except BaseException as exc:
-                    error = exc
-                pipe._closing = True
-                with trio.CancelScope(shield=True):
-                    await _stop(pipe, grace)
-                nursery.cancel_scope.cancel()
-        finally:
-            for w in pipe.workers:
-                w.sock.close()
+    pipe: ProcessPipeline | None = None
+    try:
+        async with open_device("cpu:0") as device:
+            pipe = ProcessPipeline(device, specs, in_shape=in_shape, dtype=dtype, depth=depth)
+            error: BaseException | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        for i in range(len(specs)):
+                            worker, _ = await _spawn(i, blas_threads)
+                            pipe.workers.append(worker)
+                        eventfds = [await pipe._connect(w) for w in pipe.workers]
+                        await pipe._mesh(eventfds)
+                        for w in pipe.workers:
+                            nursery.start_soon(pipe._watch, w)
+                        yield pipe
+                    except BaseException as exc:
+                        error = exc
+                    pipe._closing = True
+                    with trio.CancelScope(shield=True):
+                        await _stop(pipe, grace)
+                    nursery.cancel_scope.cancel()
+            finally:
+                for w in pipe.workers:
+                    w.sock.close()
+                # Drop our numpy views of the shared memory: an mmap can only unmap (and
+                # close its own dup of the memfd) once no view exports it.
+                for row in pipe.buffers:
+                    for b in row:
+                        b._array = None
+                pipe.buffers = []
+            if error is not None:
+                raise error
+    finally:
+        # Only now that the device has drained (or dropped) its copies and their
+        # Signal commands may the signals go: an engine must never write a closed one.
+        if pipe is not None:
             for sig in pipe.signals.values():
                 sig.close()
-            # Drop our numpy views of the shared memory: an mmap can only unmap (and
-            # close its own dup of the memfd) once no view exports it.
-            for row in pipe.buffers:
-                for b in row:
-                    b._array = None
-            pipe.buffers = []
-        if error is not None:
-            raise error
 
 
 async def _stop(pipe: ProcessPipeline, grace: float) -> None:

@@ -33,9 +33,14 @@ def _maps_lines() -> int:
 
 
 def _mapped_at(address: int) -> bool:
-    """Whether a mapping starts at ``address`` (shared anonymous ones never merge with others)."""
+    """Whether ``address`` lies in a mapping (private anonymous ones may merge with a
+    neighbour, so the block's start need not start a line of /proc/self/maps)."""
     with open("/proc/self/maps") as f:
-        return any(int(line.split("-", 1)[0], 16) == address for line in f)
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
 
 
 # HostMemory

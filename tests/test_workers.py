@@ -192,3 +192,15 @@ async def test_bad_stage_names_are_reported() -> None:
     with trio.fail_after(20), pytest.raises(hcqa.DeviceFault, match="failed to set up"):
         async with open_process_pipeline(["no_such_module:fn"], in_shape=(4,)):
             pass  # pragma: no cover
+
+
+async def test_bad_pipeline_arguments_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(hcqa.InvalidCommand, match="'depth' must be an int >= 1"):
+        async with open_process_pipeline(["hcqa.workers:identity"], in_shape=(4,), depth=0):
+            pass  # pragma: no cover
+    async with open_process_pipeline(["hcqa.workers:identity"], in_shape=(4,)) as pipe:
+        with pytest.raises(hcqa.InvalidCommand, match=r"float32\[4\] \(got float64\[4\]\)"):
+            await pipe(np.zeros(4))
+        with pytest.raises(hcqa.InvalidCommand, match=r"\(got float32\[5\]\)"):
+            await pipe(np.zeros(5, np.float32))
+        assert pipe.completed == 0
