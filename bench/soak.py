@@ -1,4 +1,4 @@
-"""Soak (issue 7): graph replays and transfers across two cpu devices at full load for minutes,
+"""Soak (issue 7): a pipeline, graph replays and transfers across two cpu devices at full load,
 with resident memory, open fds and threads sampled as it goes: none of them may grow.
 
 Run from the repository root::
@@ -13,6 +13,7 @@ What runs, all at once, until the time is up:
   its own captured graph: ``x = 3x + k`` on cpu:0, transfer to cpu:1, ``z = 3y + k`` there,
   transfer back to cpu:0; replayed back to back with new variable values (``n``, ``k``),
   plus an eager transfer pair and a host round trip every few replays;
+* a 2-stage ``hcqa.Pipeline`` (cpu:0 -> cpu:1) fed by ``depth`` tasks back to back;
 * churn, where leaks usually hide: every 25 replays a worker allocates and frees a buffer
   and makes and closes a signal; every 200 it captures a fresh graph and drops the old one;
   every 100 it checks one replay against numpy (wrong results stop the soak);
@@ -38,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import trio
 
 import hcqa
@@ -63,6 +65,7 @@ class Sample:
 @dataclass
 class Totals:
     replays: int = 0
+    microbatches: int = 0
     transfers: int = 0
     checks: int = 0
     graphs: int = 0
@@ -147,6 +150,26 @@ async def worker(w: Worker, deadline: float, totals: Totals) -> None:
             totals.graphs += 1
 
 
+async def pipeline_feeder(
+    pipe: hcqa.Pipeline, size: int, deadline: float, totals: Totals
+) -> None:
+    """The pipeline at full load: microbatches through cpu:0 -> cpu:1, checked now and then."""
+    rng = np.random.default_rng(7)
+    i = 0
+    while trio.current_time() < deadline:
+        i += 1
+        x = rng.standard_normal(size).astype(np.float32)
+        y = await pipe(x)
+        totals.microbatches += 1
+        if i % 50 == 0 and not np.allclose(y, (x * 2 + 1) * 2 + 1):
+            raise AssertionError("soak: the pipeline computed the wrong result")
+
+
+def _affine(out: npt.NDArray[np.float32], x: npt.NDArray[np.float32]) -> None:
+    np.multiply(x, 2, out=out)
+    np.add(out, 1, out=out)
+
+
 async def sampler(start: float, deadline: float, interval: float, totals: Totals) -> None:
     while True:
         now = trio.current_time()
@@ -164,12 +187,15 @@ async def soak(seconds: float, interval: float, workers: int, size: int) -> Tota
         pool = [Worker(d0, d1, size, seed) for seed in range(workers)]
         for w in pool:  # warm: compile, first replays
             await w.check()
+        pipe = hcqa.Pipeline([(d0, _affine), (d1, _affine)], in_shape=(size,), depth=3)
         start = trio.current_time()
         deadline = start + seconds
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sampler, start, deadline, interval, totals)
             for w in pool:
                 nursery.start_soon(worker, w, deadline, totals)
+            for _ in range(pipe.depth):
+                nursery.start_soon(pipeline_feeder, pipe, size, deadline, totals)
     return totals
 
 
@@ -205,7 +231,8 @@ def report(totals: Totals, seconds: float) -> bool:
     print()
     print(
         f"ran {seconds:.0f} s: {totals.replays} replays ({totals.replays / seconds:.0f}/s), "
-        f"{totals.transfers} eager transfers, {totals.checks} numpy checks, "
+        f"{totals.transfers} eager transfers, {totals.microbatches} pipeline microbatches, "
+        f"{totals.checks} numpy checks, "
         f"{totals.graphs} graphs re-captured"
     )
     print(
