@@ -477,6 +477,15 @@ def test_demo_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert {"layers_a", "layers_b", "mlp"} <= names
 
 
+def test_demo_quick_in_worker_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.json"
+    argv = ["demo", "--quick", "--processes", "--no-progress", "--trace", str(trace)]
+    assert cli_main([*argv, "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 worker processes" in out
+    assert "max abs error 0" in out and ": ok" in out
+
+
 def test_demo_bad_option_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["demo", "--quick", "--depth", "0"]) == 2
     err = capsys.readouterr().err
