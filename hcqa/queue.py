@@ -71,15 +71,16 @@ class Queue:
         # buffers touched, one entry per allocation (views share their base's hazards)
         self._reads: dict[int, Buffer] = {}
         self._writes: dict[int, Buffer] = {}
-        self._symbolic = False
+        self._symbolic_at: list[int] = []  # positions of commands with variables
         self._waits = False
 
     # -- verbs ---------------------------------------------------------------------------
 
     def _add(self, command: Any, symbolic: bool = False) -> Self:
         self.device._check_usable()
+        if symbolic:
+            self._symbolic_at.append(len(self._commands))
         self._commands.append(command)
-        self._symbolic = self._symbolic or symbolic
         return self
 
     def wait(self, signal: Signal, value: IntLike) -> Self:
@@ -190,9 +191,10 @@ class Queue:
 
     def _resolve(self, var_vals: VarVals | None) -> list[Any]:
         self._check_buffers()
-        if not self._symbolic:
-            return list(self._commands)
-        return [_resolve_command(c, var_vals) for c in self._commands]
+        commands = list(self._commands)
+        for i in self._symbolic_at:  # only these change from one submit to the next
+            commands[i] = _resolve_command(commands[i], var_vals)
+        return commands
 
     def submit(self, var_vals: VarVals | None = None) -> Fence:
         """Send the batch now (never blocks; QueueFull when the channel is full)."""

@@ -13,18 +13,26 @@ signals that order them:
 * ``done{i}``: items stage ``i`` has finished;
 * ``drained``: items whose output the coordinator has copied out.
 
-Worker ``i`` runs item ``k`` in slot ``k % depth`` as one queue batch:
-``wait(in_ready, k)``, ``wait(out_free, k - depth)``, ``exec(stage)``,
-``signal(done{i}, k)`` -- the waits park on eventfds, so an idle worker costs no
-CPU, and nothing but signal writes crosses processes per item. Every process
+Worker ``i`` runs item ``k`` in slot ``k % depth`` once ``in_ready >= k`` and
+``out_free >= k - depth``, then sets ``done{i} = k`` -- the waits sleep on eventfds, so
+an idle worker costs no CPU, and nothing but signal writes crosses processes per
+item (see the last paragraph for who waits). Every process
 sleeps on its own eventfd of a signal; at set-up the coordinator collects them and
 gives each participant the others' as peers, so a value written anywhere wakes
 everyone.
 
-A worker that dies closes its socket: the coordinator's watcher breaks the
-pipeline's signals with a :class:`~hcqa.errors.DeviceFault`, so callers fail fast
-instead of hanging. Closing sends ``stop``, waits for each worker to exit (killing
-it after a grace period) and closes every fd; memfds vanish with their last fd.
+A worker that dies closes its socket and exits (trio waits on its pidfd): the
+coordinator's watchers break the pipeline's signals with a
+:class:`~hcqa.errors.DeviceFault`, so callers fail fast instead of hanging; a stage that
+raises sends its error back over the socket, with the same effect. Closing sends
+``stop``, waits for each worker to exit (killing it after a grace period) and closes
+every fd; memfds vanish with their last fd.
+
+Worker ``i`` does not run a queue actor: its stage runs in its engine thread, which
+sleeps in ``wait_sync`` on the shared signals (``in_ready >= k``, ``out_free >= k -
+depth``), runs ``fn(out, inp)`` and sets ``done{i} = k`` -- one wake-up per item, where
+an actor would add a trio hop and a thread hop. ``pipe.item()`` gives zero-copy access:
+fill the input slot in place, read the output as a view until the block ends.
 """
 
 from __future__ import annotations
@@ -49,9 +57,8 @@ from hcqa.devices.opening import open_device
 from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
 from hcqa.ipc import PeerGone, attach_signal, check_peer, offer_signal, recv_message, send_message
 from hcqa.signals import Signal
-from hcqa.variables import Variable
 
-__all__ = ["ProcessPipeline", "ProcessStage", "open_process_pipeline"]
+__all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipeline"]
 
 # Items up to this size are copied in and out on the caller's task: at most ~3 us of
 # memcpy, less than one hop to the copy engine and back. This is the one place the
@@ -130,10 +137,9 @@ class ProcessPipeline:
             self.signals[f"done{i}"] = Signal(name=f"done{i}")
         self.workers: list[_Worker] = []
         self._next = 0
-        self._drained: set[int] = set()
+        self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
+        self._drained: set[int] = set()  # items whose output was read, likewise
         self._limit = trio.Semaphore(depth)
-        self._k = Variable("k", 0, 2**62)
-        self._feed = device.copy_queue().signal(self.signals["fed"], self._k)
         self.fault: DeviceFault | None = None
         self.completed = 0
 
@@ -206,7 +212,16 @@ class ProcessPipeline:
                     break
         except (PeerGone, OSError):
             pass
-        if self._closing:
+        self._fail(worker, what)
+
+    async def _watch_exit(self, worker: _Worker) -> None:
+        """The process's own exit (trio waits on a pidfd): caught even if the socket
+        somehow stays open."""
+        code = await worker.process.wait()
+        self._fail(worker, f"exited with status {code}")
+
+    def _fail(self, worker: _Worker, what: str) -> None:
+        if self._closing or self.fault is not None:
             return
         fault = DeviceFault(
             f"worker {worker.index} (pid {worker.pid}, stage {self.stages[worker.index].fn!r}) "
@@ -227,35 +242,82 @@ class ProcessPipeline:
                 f"pipeline input must be {self.dtype}{list(self.in_shape)} "
                 f"(got {arr.dtype}{list(arr.shape)})"
             )
+        async with self.item() as item:
+            if arr.nbytes <= INLINE_COPY:  # a memcpy costs less than a hop to the engine
+                np.copyto(item.input, arr)
+            else:
+                await self.buffers[0][item.slot].copyin(arr)
+            view = await item.run()
+            if view.nbytes <= INLINE_COPY:
+                return view.copy()
+            out = np.empty(view.shape, view.dtype)
+            await self.buffers[-1][item.slot].copyout(out)
+            return out
+
+    @asynccontextmanager
+    async def item(self) -> AsyncIterator[PipelineItem]:
+        """One item, zero-copy: write ``item.input`` in place, ``await item.run()`` returns
+        the output *as a view of the shared slot*, valid until the block is left.
+
+        Takes one of the ``depth`` slots for the block (backpressure). Items run in the
+        order they were taken; one whose block is left without ``run()`` is passed through
+        the stages with whatever its input slot holds, and its output is dropped."""
         if self.fault is not None:
             raise self.fault
         async with self._limit:
             self._next += 1
-            k = self._next
-            slot = k % self.depth
-            if arr.nbytes <= INLINE_COPY:  # a memcpy costs less than a hop to the engine
-                np.copyto(self.buffers[0][slot]._kernel_array(), arr)
-                self.signals["fed"].value = k
-            else:
-                self.buffers[0][slot].copyin(arr)
-                self._feed.submit(var_vals={self._k: k})
-            await self.signals[f"done{len(self.stages) - 1}"].wait(k)
-            shape, dt = self.shapes[-1]
-            out = np.empty(shape, dt)
-            if out.nbytes <= INLINE_COPY:
-                np.copyto(out, self.buffers[-1][slot]._kernel_array())
-            else:
-                await self.buffers[-1][slot].copyout(out)
-            self._drained.add(k)
-            d = self.signals["drained"]
-            v = d.value
-            while v + 1 in self._drained:
-                v += 1
-                self._drained.discard(v)
-            if v != d.value:
-                d.value = v
-            self.completed += 1
-            return out
+            item = PipelineItem(self, self._next)
+            try:
+                yield item
+            finally:
+                if not item.fed:
+                    self._advance(self._fed, "fed", item.number)
+                self._advance(self._drained, "drained", item.number)
+                item.done = True
+
+    def _advance(self, ready: set[int], name: str, k: int) -> None:
+        """Mark item ``k``; the signal ``name`` moves over the prefix of marked items."""
+        ready.add(k)
+        sig = self.signals[name]
+        v = sig.value
+        while v + 1 in ready:
+            v += 1
+            ready.discard(v)
+        if v != sig.value:
+            sig.value = v
+
+
+class PipelineItem:
+    """One item of a :class:`ProcessPipeline` (see :meth:`ProcessPipeline.item`)."""
+
+    def __init__(self, pipe: ProcessPipeline, number: int) -> None:
+        self.pipe = pipe
+        self.number = number
+        self.slot = number % pipe.depth
+        self.fed = False
+        self.done = False
+
+    @property
+    def input(self) -> npt.NDArray[Any]:
+        """The input slot, to fill in place before :meth:`run`."""
+        self._check()
+        return self.pipe.buffers[0][self.slot]._kernel_array()
+
+    async def run(self) -> npt.NDArray[Any]:
+        """Hand the input to the first stage; returns a view of the last stage's output."""
+        self._check()
+        if self.fed:
+            raise InvalidCommand(f"item {self.number} was already run")
+        self.fed = True
+        pipe = self.pipe
+        pipe._advance(pipe._fed, "fed", self.number)
+        await pipe.signals[f"done{len(pipe.stages) - 1}"].wait(self.number)
+        pipe.completed += 1
+        return pipe.buffers[-1][self.slot]._kernel_array()
+
+    def _check(self) -> None:
+        if self.done:
+            raise InvalidCommand(f"item {self.number}'s slot was released (its block ended)")
 
 
 async def _spawn(index: int, blas_threads: int | None) -> tuple[_Worker, socket.socket]:
@@ -312,6 +374,7 @@ async def open_process_pipeline(
                         await pipe._mesh(eventfds)
                         for w in pipe.workers:
                             nursery.start_soon(pipe._watch, w)
+                            nursery.start_soon(pipe._watch_exit, w)
                         yield pipe
                     except BaseException as exc:
                         error = exc

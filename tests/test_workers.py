@@ -204,3 +204,27 @@ async def test_bad_pipeline_arguments_are_refused_before_any_process_starts() ->
         with pytest.raises(hcqa.InvalidCommand, match=r"\(got float32\[5\]\)"):
             await pipe(np.zeros(5, np.float32))
         assert pipe.completed == 0
+
+
+async def test_zero_copy_items_and_cancellation_keep_the_pipeline_moving() -> None:
+    n = (1 << 20) // 4
+    async with open_process_pipeline(
+        ["hcqa.workers:add_one", "hcqa.workers:add_one"], in_shape=(n,), depth=2
+    ) as pipe:
+        with trio.fail_after(20):
+            async with pipe.item() as item:
+                item.input[:] = 5.0  # written in place: no copy-in
+                out = await item.run()
+                assert out.shape == (n,) and float(out[0]) == 7.0 and float(out[-1]) == 7.0
+                with pytest.raises(hcqa.InvalidCommand, match="already run"):
+                    await item.run()
+            with pytest.raises(hcqa.InvalidCommand, match="released"):
+                item.input  # noqa: B018 - the slot is gone
+            # an item left without run() and a caller cancelled mid-wait must not stall
+            # the items behind them
+            async with pipe.item():
+                pass
+            with trio.move_on_after(0):
+                await pipe(np.zeros(n, np.float32))
+            y = await pipe(np.full(n, 1.0, np.float32))
+            assert float(y[0]) == 3.0
