@@ -150,7 +150,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
-BENCHES = ("bench_signals", "bench_devices", "bench_graph", "bench_pipeline")
+BENCHES = ("bench_signals", "bench_devices", "bench_graph", "bench_pipeline", "bench_workers")
 
 
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
