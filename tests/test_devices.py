@@ -16,6 +16,8 @@ import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
+from _helpers import Counter
+from _helpers import read as _read
 
 import hcqa
 from hcqa import (
@@ -59,21 +61,6 @@ def fd_count() -> int:
 
 def _f32(seed: int, n: int = N) -> npt.NDArray[np.float32]:
     return np.random.default_rng(seed).standard_normal(n).astype(F32)
-
-
-async def _read(buf: hcqa.Buffer) -> npt.NDArray[Any]:
-    assert buf.dtype is not None and buf.shape is not None
-    out = np.empty(buf.shape, dtype=buf.dtype)
-    await buf.copyout(out)
-    return out
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, *args: Any) -> None:
-        self.calls += 1
 
 
 def _boom(out: npt.NDArray[Any]) -> None:

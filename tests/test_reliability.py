@@ -19,6 +19,8 @@ import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
+from _helpers import Counter
+from _helpers import read as _read
 
 import hcqa
 import hcqa.testing as ht
@@ -41,23 +43,6 @@ N = 16
 
 def _f32(seed: int) -> npt.NDArray[np.float32]:
     return np.random.default_rng(seed).standard_normal(N).astype(np.float32)
-
-
-async def _read(buf: hcqa.Buffer) -> npt.NDArray[Any]:
-    assert buf.dtype is not None and buf.shape is not None
-    out = np.empty(buf.shape, dtype=buf.dtype)
-    await buf.copyout(out)
-    return out
-
-
-class Counter:
-    """A Python kernel that counts its runs."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, *args: Any) -> None:
-        self.calls += 1
 
 
 def _warm_signal_pool() -> None:
