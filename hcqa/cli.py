@@ -94,11 +94,13 @@ def _compiler() -> str:
 
 
 def _cuda() -> str:
-    """Whether the CUDA driver bindings are installed and the driver answers."""
+    """Whether a CUDA device is usable: hcqa's cuda device, the bindings, the driver."""
+    if importlib.util.find_spec("hcqa.devices.cuda") is None:
+        return "not available (this hcqa has no CUDA device yet; only cpu:N)"
     try:
         driver: Any = importlib.import_module("cuda.bindings.driver")
     except ImportError:
-        return "not installed (pip install hcqa[cuda])"
+        return "not installed (pip install 'hcqa[cuda]')"
     try:
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:

@@ -66,8 +66,8 @@ def _make(spec: object, options: dict[str, Any]) -> Device:
             from hcqa.devices.cuda import CudaDevice  # type: ignore[import-not-found, unused-ignore]
         except ImportError as exc:
             raise InvalidCommand(
-                f"{name}: CUDA devices need the cuda extra (pip install 'hcqa[cuda]') "
-                f"and an NVIDIA driver ({exc})"
+                f"{name}: this hcqa has no CUDA device yet (only cpu:N); one is planned on "
+                f"NVIDIA's cuda-bindings as the extra hcqa[cuda] ({exc})"
             ) from exc
         return CudaDevice(name, **options)  # type: ignore[no-any-return, unused-ignore]
     from hcqa.devices.cpu import CpuDevice
