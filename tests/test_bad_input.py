@@ -203,7 +203,7 @@ def _cases() -> list[Any]:
         C("open-device-bad", lambda e: _enter(hcqa.open_device("cpu0")), ic, "must look like"),
         C("open-no-spec", lambda e: _enter(o()), ic, "at least one device spec"),
         C("open-duplicate", lambda e: _enter(o("cpu:5", "cpu:5")), ic, "once per call"),
-        C("open-cuda", lambda e: _enter(o("cuda:0")), ic, "cuda extra", False),
+        C("open-cuda", lambda e: _enter(o("cuda:0")), ic, "no CUDA device yet", False),
         C("hang-str", lambda e: _enter(o("cpu:5", hang_limit="1")), te, "'hang_limit'"),
         C("hang-bool", lambda e: _enter(o("cpu:5", hang_limit=True)), te, "'hang_limit'"),
         C("hang-zero", lambda e: _enter(o("cpu:5", hang_limit=0)), ic, r"'hang_limit' must be > 0"),
