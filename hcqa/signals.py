@@ -34,74 +34,28 @@ raise that very exception instance.
 from __future__ import annotations
 
 import ctypes
-import enum
 import math
-import mmap
 import os
 import select
 import threading
 import time
 import weakref
-from collections.abc import Generator
 from typing import Any
 
 import attrs
 import outcome
 import trio
 
+from hcqa._slots import PAGE, SLOT, Page, pool
+from hcqa._waiters import DONE, OWN, State, Waiter
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, SignalTimeout
+from hcqa.fence import Fence
 
 __all__ = ["Fence", "Signal", "SignalStatistics"]
 
 _MAX = 2**64 - 1
-_SLOT = 32
-_PAGE = mmap.PAGESIZE
 
 
-class _Page:
-    """A memfd page of signal slots; kept open so it can be shared later."""
-
-    def __init__(self, fd: int | None = None) -> None:
-        if fd is None:
-            fd = os.memfd_create("hcqa-signals", os.MFD_CLOEXEC)
-            os.ftruncate(fd, _PAGE)
-        self.fd = fd
-        self.mm = mmap.mmap(self.fd, _PAGE, mmap.MAP_SHARED)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
-        self.free = list(range(_PAGE // _SLOT - 1, -1, -1))
-
-    def close(self) -> None:
-        """Unmap and close (only for pages attached from another process)."""
-        os.close(self.fd)
-        try:
-            self.mm.close()
-        except BufferError:  # a ctypes view still alive: the mapping goes with it
-            pass
-
-
-class _SlotPool:
-    """Hands out 32-byte slots; pages are never unmapped while the process lives."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pages: list[_Page] = []
-
-    def take(self) -> tuple[_Page, int]:
-        with self._lock:
-            for page in self._pages:
-                if page.free:
-                    return page, page.free.pop()
-            page = _Page()
-            self._pages.append(page)
-            return page, page.free.pop()
-
-    def give(self, page: _Page, index: int) -> None:
-        with self._lock:
-            ctypes.memset(page.base + index * _SLOT, 0, _SLOT)
-            page.free.append(index)
-
-
-_pool = _SlotPool()
 _counter = iter(range(1, 2**62))
 
 # Once the process has forked, waiters may live in another process that this one
@@ -127,40 +81,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_note_fork, after_in_child=_after_fork_in_child)
 
 
-class _State(enum.Enum):
-    PARKED = "parked"
-    WOKEN = "woken"
-    ABORTED = "aborted"
-
-
-_DONE = "done"
-_OWN = "own"
-
-
-class _Waiter:
-    """One parked waiter: a trio task (task set) or a thread (lock set)."""
-
-    __slots__ = ("lock", "msg", "parked", "state", "target", "task", "thread", "token")
-
-    def __init__(self, target: int, *, trio_task: bool) -> None:
-        self.target = target
-        self.state = _State.PARKED
-        self.msg = _DONE
-        self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
-        self.thread = threading.get_ident()
-        self.task: trio.lowlevel.Task | None = None
-        self.token: trio.lowlevel.TrioToken | None = None
-        # A semaphore, not a lock: a wake that lands while the thread is not blocked
-        # leaves a count behind (a spurious wake-up the wait loop absorbs) instead of
-        # raising on a second release.
-        self.lock: threading.Semaphore | None = None
-        if trio_task:
-            self.task = trio.lowlevel.current_task()
-            self.token = trio.lowlevel.current_trio_token()
-        else:
-            self.lock = threading.Semaphore(0)
-
-
 @attrs.frozen(kw_only=True)
 class SignalStatistics:
     """What :meth:`Signal.statistics` reports."""
@@ -181,13 +101,13 @@ def _check_target(value: object, what: str = "value") -> int:
     return value
 
 
-def _release(fd: int, page: _Page, index: int, peers: list[int], owned: bool) -> None:
+def _release(fd: int, page: Page, index: int, peers: list[int], owned: bool) -> None:
     os.close(fd)
     for peer in peers:
         os.close(peer)
     peers.clear()
     if owned:
-        _pool.give(page, index)
+        pool.give(page, index)
     else:
         page.close()
 
@@ -201,7 +121,7 @@ class Signal:
 
     def __init__(self, value: int = 0, *, name: str | None = None) -> None:
         value = _check_target(value)
-        page, index = _pool.take()
+        page, index = pool.take()
         self._setup(page, index, name, owned=True)
         self._value.value = value
 
@@ -211,23 +131,23 @@ class Signal:
 
         Takes ownership of ``page_fd``. Add the exporting side's eventfd with
         :meth:`add_peer` so that values set here wake its waiters too."""
-        if not 0 <= index < _PAGE // _SLOT:
-            raise InvalidCommand(f"'index' must be in [0, {_PAGE // _SLOT}) (got {index})")
+        if not 0 <= index < PAGE // SLOT:
+            raise InvalidCommand(f"'index' must be in [0, {PAGE // SLOT}) (got {index})")
         sig = cls.__new__(cls)
-        sig._setup(_Page(page_fd), index, name, owned=False)
+        sig._setup(Page(page_fd), index, name, owned=False)
         return sig
 
-    def _setup(self, page: _Page, index: int, name: str | None, *, owned: bool) -> None:
+    def _setup(self, page: Page, index: int, name: str | None, *, owned: bool) -> None:
         self.name = name if name is not None else f"signal#{next(_counter)}"
         self._page, self._index = page, index
-        addr = self._page.base + self._index * _SLOT
+        addr = self._page.base + self._index * SLOT
         self._value = ctypes.c_uint64.from_address(addr)
         self._stamp = ctypes.c_uint64.from_address(addr + 8)
         self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._peers: list[int] = []
         self._lock = threading.Lock()
-        self._waiters: dict[_Waiter, None] = {}
-        self._owner: _Waiter | None = None
+        self._waiters: dict[Waiter, None] = {}
+        self._owner: Waiter | None = None
         self._broken: BaseException | None = None
         self._closed = False
         self._final = 0
@@ -365,11 +285,11 @@ class Signal:
         """True when a wait for ``target`` is over (reached or broken)."""
         return self.value >= target or self._broken is not None
 
-    def _register(self, waiter: _Waiter) -> None:
+    def _register(self, waiter: Waiter) -> None:
         with self._lock:
             self._waiters[waiter] = None
 
-    def _claim(self, waiter: _Waiter) -> bool:
+    def _claim(self, waiter: Waiter) -> bool:
         """At the top of every wait loop: am I the owner? (taking ownership if nobody
         has it). A non-owner is (re)listed as parked, so the owner will wake it."""
         with self._lock:
@@ -378,20 +298,20 @@ class Signal:
                 self._owner = waiter
             if self._owner is waiter:
                 return True
-            waiter.state = _State.PARKED
+            waiter.state = State.PARKED
             return False
 
-    def _unregister(self, waiter: _Waiter) -> None:
+    def _unregister(self, waiter: Waiter) -> None:
         heir = None
         with self._lock:
-            waiter.state = _State.ABORTED
+            waiter.state = State.ABORTED
             self._waiters.pop(waiter, None)
             if self._owner is waiter:
                 self._owner = None
                 for candidate in self._waiters:
-                    if candidate.state is _State.PARKED:
+                    if candidate.state is State.PARKED:
                         heir = candidate
-                        heir.state, heir.msg = _State.WOKEN, _OWN
+                        heir.state, heir.msg = State.WOKEN, OWN
                         self._owner = heir
                         break
             last = self._closed and self._owner is None and not self._waiters
@@ -413,17 +333,17 @@ class Signal:
                 w
                 for w in self._waiters
                 if w is not self._owner
-                and w.state is _State.PARKED
+                and w.state is State.PARKED
                 and (broken or w.target <= value)
             ]
             for w in done:
-                w.state, w.msg = _State.WOKEN, _DONE
+                w.state, w.msg = State.WOKEN, DONE
                 del self._waiters[w]
         for w in done:
             self._deliver(w)
 
     @staticmethod
-    def _wake_task(w: _Waiter) -> None:
+    def _wake_task(w: Waiter) -> None:
         """In the waiter's trio thread: reschedule it if it is (still) parked."""
         if w.parked:
             w.parked = False
@@ -431,7 +351,7 @@ class Signal:
             trio.lowlevel.reschedule(w.task, outcome.Value(w.msg))
 
     @classmethod
-    def _deliver(cls, w: _Waiter) -> None:
+    def _deliver(cls, w: Waiter) -> None:
         if w.task is not None:
             assert w.token is not None
             if w.thread == threading.get_ident():
@@ -495,14 +415,14 @@ class Signal:
         if self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             self._raise_broken(observe)
-        waiter = _Waiter(target, trio_task=True)
+        waiter = Waiter(target, trio_task=True)
         yielded = False
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             with self._lock:
-                if waiter.state is not _State.PARKED:
+                if waiter.state is not State.PARKED:
                     return trio.lowlevel.Abort.FAILED  # a wake-up is on its way
-                waiter.state = _State.ABORTED
+                waiter.state = State.ABORTED
                 waiter.parked = False
                 self._waiters.pop(waiter, None)
             return trio.lowlevel.Abort.SUCCEEDED
@@ -542,7 +462,7 @@ class Signal:
             return
         if self._closed:
             self._raise_broken()
-        waiter = _Waiter(target, trio_task=False)
+        waiter = Waiter(target, trio_task=False)
         self._register(waiter)
         poller: select.poll | None = None
         try:
@@ -571,48 +491,3 @@ class Signal:
             self._unregister(waiter)
         if self.value < target:
             self._raise_broken()
-
-
-@attrs.frozen(eq=False)
-class Fence:
-    """A point on a timeline: ``signal`` reaching ``value``.
-
-    ``await fence`` waits for it; ``fence.wait_sync(timeout=...)`` blocks a thread;
-    ``fence.reached`` tells without waiting. Devices hand out fences that also
-    carry their hang limit and a description used in error messages.
-    """
-
-    signal: Signal
-    value: int
-    hang_limit: float | None = attrs.field(default=None, kw_only=True)
-    context: str = attrs.field(default="", kw_only=True)
-    device: Any = attrs.field(default=None, kw_only=True, repr=False)
-
-    @property
-    def reached(self) -> bool:
-        """True once ``signal.value >= value`` (never blocks)."""
-        return self.signal.value >= self.value
-
-    async def wait(self) -> None:
-        """Wait for the fence (same as ``await fence``); raises SignalTimeout past the
-        device's hang limit with no progress, or the device's fault."""
-        try:
-            await self.signal._wait_limited(self.value, self.hang_limit, self.context)
-        except SignalTimeout as exc:
-            exc.observed = True
-            if self.device is not None:
-                self.device._hang(exc)
-            raise
-
-    def __await__(self) -> Generator[Any, None, None]:
-        """``await fence``: see :meth:`wait`."""
-        return self.wait().__await__()
-
-    def wait_sync(self, timeout: float | None = None) -> None:
-        """Block this (non-trio) thread until the fence is reached; SignalTimeout after
-        ``timeout`` seconds."""
-        self.signal.wait_sync(self.value, timeout)
-
-    def __repr__(self) -> str:
-        state = "reached" if self.reached else f"at {self.signal.value}"
-        return f"<Fence {self.signal.name}>={self.value} ({state})>"

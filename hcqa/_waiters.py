@@ -1,0 +1,54 @@
+"""The waiters a signal parks: a trio task or a thread, and the state of its wake-up.
+
+Theory of operation
+-------------------
+A waiter is listed on its signal while it waits. Its ``state`` says whether a wake-up
+is on its way (``WOKEN``, with ``msg`` saying what for: the target was reached, or
+the waiter now *owns* the eventfd) or it left (``ABORTED``). A trio task parks in
+``wait_task_rescheduled`` and is woken by ``reschedule`` -- from another thread only
+through its run's ``run_sync_soon``, and only while ``parked`` is still true; a thread
+parks on a semaphore, where a wake that lands early is a harmless spurious wake-up.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+import trio
+
+__all__ = ["DONE", "OWN", "State", "Waiter"]
+
+
+class State(enum.Enum):
+    PARKED = "parked"
+    WOKEN = "woken"
+    ABORTED = "aborted"
+
+
+DONE = "done"
+OWN = "own"
+
+
+class Waiter:
+    """One parked waiter: a trio task (task set) or a thread (lock set)."""
+
+    __slots__ = ("lock", "msg", "parked", "state", "target", "task", "thread", "token")
+
+    def __init__(self, target: int, *, trio_task: bool) -> None:
+        self.target = target
+        self.state = State.PARKED
+        self.msg = DONE
+        self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
+        self.thread = threading.get_ident()
+        self.task: trio.lowlevel.Task | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        # A semaphore, not a lock: a wake that lands while the thread is not blocked
+        # leaves a count behind (a spurious wake-up the wait loop absorbs) instead of
+        # raising on a second release.
+        self.lock: threading.Semaphore | None = None
+        if trio_task:
+            self.task = trio.lowlevel.current_task()
+            self.token = trio.lowlevel.current_trio_token()
+        else:
+            self.lock = threading.Semaphore(0)

@@ -1,0 +1,69 @@
+"""Fences: points on a timeline.
+
+Theory of operation
+-------------------
+A :class:`Fence` is a signal and a value: it is reached once ``signal.value >=
+value``. Every enqueue returns one. Devices hand out fences that also carry their
+hang limit, a description for error messages and the device itself, so that a wait
+with no progress raises :class:`~hcqa.errors.SignalTimeout` naming where it was stuck
+and marks the device hung. A fence never owns its signal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from hcqa.errors import SignalTimeout
+
+if TYPE_CHECKING:
+    from hcqa.signals import Signal
+
+__all__ = ["Fence"]
+
+
+@attrs.frozen(eq=False)
+class Fence:
+    """A point on a timeline: ``signal`` reaching ``value``.
+
+    ``await fence`` waits for it; ``fence.wait_sync(timeout=...)`` blocks a thread;
+    ``fence.reached`` tells without waiting. Devices hand out fences that also
+    carry their hang limit and a description used in error messages.
+    """
+
+    signal: Signal
+    value: int
+    hang_limit: float | None = attrs.field(default=None, kw_only=True)
+    context: str = attrs.field(default="", kw_only=True)
+    device: Any = attrs.field(default=None, kw_only=True, repr=False)
+
+    @property
+    def reached(self) -> bool:
+        """True once ``signal.value >= value`` (never blocks)."""
+        return self.signal.value >= self.value
+
+    async def wait(self) -> None:
+        """Wait for the fence (same as ``await fence``); raises SignalTimeout past the
+        device's hang limit with no progress, or the device's fault."""
+        try:
+            await self.signal._wait_limited(self.value, self.hang_limit, self.context)
+        except SignalTimeout as exc:
+            exc.observed = True
+            if self.device is not None:
+                self.device._hang(exc)
+            raise
+
+    def __await__(self) -> Generator[Any, None, None]:
+        """``await fence``: see :meth:`wait`."""
+        return self.wait().__await__()
+
+    def wait_sync(self, timeout: float | None = None) -> None:
+        """Block this (non-trio) thread until the fence is reached; SignalTimeout after
+        ``timeout`` seconds."""
+        self.signal.wait_sync(self.value, timeout)
+
+    def __repr__(self) -> str:
+        state = "reached" if self.reached else f"at {self.signal.value}"
+        return f"<Fence {self.signal.name}>={self.value} ({state})>"
