@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 :func:`open_process_pipeline` starts one worker process per stage (``python -m
-hcqa.workers``), each owning its own ``cpu:0`` device, and connects to each with a
+hcqa._worker``), each owning its own ``cpu:0`` device, and connects to each with a
 Unix socketpair. Everything the stages share is created by the coordinator and
 *handed over as fds* (``hcqa.ipc``): per slot, the stage buffers (memfds, so the
 output of stage ``i`` is the very memory stage ``i + 1`` reads), and the timeline
@@ -37,12 +37,10 @@ fill the input slot in place, read the output as a view until the block ends.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,8 +52,8 @@ import trio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
-from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
-from hcqa.ipc import PeerGone, attach_signal, check_peer, offer_signal, recv_message, send_message
+from hcqa.errors import DeviceFault, InvalidCommand
+from hcqa.ipc import PeerGone, check_peer, offer_signal, recv_message, send_message
 from hcqa.signals import Signal
 
 __all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipeline"]
@@ -78,18 +76,6 @@ class ProcessStage:
     out_shape: tuple[int, ...] | None = None
     out_dtype: str | None = None
     args: dict[str, Any] | None = None
-
-
-def _load(ref: str) -> Callable[..., Any]:
-    module, _, name = ref.partition(":")
-    if not module or not name:
-        raise InvalidCommand(f"a stage must be named 'module:function' (got {ref!r})")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise InvalidCommand(f"stage {ref!r} must name a callable (got {type(obj).__name__})")
-    return obj  # type: ignore[no-any-return]
 
 
 @attrs.define(eq=False)
@@ -328,7 +314,7 @@ async def _spawn(index: int, blas_threads: int | None) -> tuple[_Worker, socket.
             env[var] = str(blas_threads)
     try:
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "hcqa.workers", str(child.fileno())],
+            [sys.executable, "-m", "hcqa._worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
             env=env,
         )
@@ -415,112 +401,6 @@ async def _stop(pipe: ProcessPipeline, grace: float) -> None:
             await w.process.wait()
 
 
-# -- the worker process -------------------------------------------------------------------
-
-
-async def _worker_main(fd: int) -> None:
-    raw = socket.socket(fileno=fd)
-    sock = trio.socket.from_stdlib_socket(raw)
-    check_peer(sock)
-    header, fds = await recv_message(sock)
-    try:
-        fn = _load(header["stage"])
-        if header.get("args") is not None:
-            fn = fn(**header["args"])
-            if not callable(fn):
-                raise InvalidCommand(f"stage factory {header['stage']!r} must return a callable")
-    except Exception as exc:
-        await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
-        return
-    depth = int(header["depth"])
-
-    class _Stop(Exception):
-        pass
-
-    try:
-        async with open_device("cpu:0") as device:
-            metas = header["buffers"]
-            buffers = [
-                device.import_buffer(
-                    bfd,
-                    m["nbytes"] + m["offset"],
-                    offset=m["offset"],
-                    dtype=m["dtype"],
-                    shape=m["shape"],
-                )
-                for bfd, m in zip(fds[: len(metas)], metas, strict=True)
-            ]
-            sfds = fds[len(metas) :]
-            sigs = [
-                attach_signal(m, sfds[2 * j : 2 * j + 2]) for j, m in enumerate(header["signals"])
-            ]
-            own = [os.dup(s.fd) for s in sigs]
-            await send_message(sock, {"op": "ready"}, own)
-            for efd in own:
-                os.close(efd)
-            peers, pfds = await recv_message(sock)
-            by_name = {s.name: s for s in sigs}
-            for name, pfd in zip(peers["names"], pfds, strict=True):
-                by_name[name].add_peer(pfd)
-            inp, free, done = sigs
-            ins = [b._kernel_array() for b in buffers[:depth]]
-            outs = [b._kernel_array() for b in buffers[depth:]]
-
-            async def engine() -> None:
-                error = await trio.to_thread.run_sync(
-                    _stage_loop, fn, ins, outs, inp, free, done, depth
-                )
-                if error is not None:
-                    text = f"{type(error).__name__}: {error}"
-                    with contextlib.suppress(PeerGone, OSError):
-                        await send_message(sock, {"op": "fault", "error": text})
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(engine)
-                while True:
-                    try:
-                        message, extra = await recv_message(sock)
-                    except PeerGone:
-                        break
-                    for e in extra:
-                        os.close(e)
-                    if message.get("op") == "stop":
-                        break
-                for sig in sigs:  # wakes the stage thread out of its wait
-                    sig._break(DeviceClosed("the worker is stopping"))
-            raise _Stop  # leave the device by an exception: nothing is left to drain
-    except _Stop:
-        pass
-
-
-def _stage_loop(
-    fn: Callable[..., Any],
-    ins: list[npt.NDArray[Any]],
-    outs: list[npt.NDArray[Any]],
-    inp: Signal,
-    free: Signal,
-    done: Signal,
-    depth: int,
-) -> BaseException | None:
-    """The worker's engine thread: item after item, sleeping on the signals' eventfds.
-
-    Returns None when stopped (the signals were broken), or the stage's error."""
-    k = 0
-    try:
-        while True:
-            k += 1
-            slot = k % depth
-            inp.wait_sync(k)  # the input of item k is in place
-            if k > depth:
-                free.wait_sync(k - depth)  # the consumer is done with this output slot
-            fn(outs[slot], ins[slot])
-            done.value = k
-    except DeviceClosed:
-        return None
-    except BaseException as exc:
-        return exc
-
-
 def identity(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
     """A sample stage: copy the input."""
     np.copyto(out, inp)
@@ -529,16 +409,3 @@ def identity(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
 def add_one(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
     """A sample stage: ``out = inp + 1``."""
     np.add(inp, 1, out=out)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    trio.run(_worker_main, int(args[0]))
-    sys.stdout.flush()
-    # Everything is closed or is released by the kernel with the process: skip the
-    # interpreter's slow teardown (it dominated a pipeline's close).
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,162 @@
+"""The worker process of a process pipeline (``python -m hcqa._worker FD``).
+
+Theory of operation
+-------------------
+The coordinator (``hcqa.workers``) starts this module with one end of a Unix
+socketpair as ``FD``. The worker checks its peer's credentials, receives its set-up --
+the stage (``"module:function"``, or a factory and its arguments), its input and output
+slots as memfds, and its three signals -- maps them, sends back its own eventfds,
+receives its peers' and then runs the stage in its engine thread (:func:`_stage_loop`),
+sleeping in ``wait_sync`` between items. Its trio side only watches the socket: on
+``stop`` (or the coordinator's end closing) it breaks the signals, which wakes the
+stage thread out of its wait, and the process exits without the interpreter's slow
+teardown. A stage that raises sends its error back as a ``fault`` message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy.typing as npt
+import trio
+
+from hcqa.devices.opening import open_device
+from hcqa.errors import DeviceClosed, InvalidCommand
+from hcqa.ipc import PeerGone, attach_signal, check_peer, recv_message, send_message
+from hcqa.signals import Signal
+
+__all__ = ["main"]
+
+
+def _load(ref: str) -> Callable[..., Any]:
+    module, _, name = ref.partition(":")
+    if not module or not name:
+        raise InvalidCommand(f"a stage must be named 'module:function' (got {ref!r})")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise InvalidCommand(f"stage {ref!r} must name a callable (got {type(obj).__name__})")
+    return obj  # type: ignore[no-any-return]
+
+
+async def _worker_main(fd: int) -> None:
+    raw = socket.socket(fileno=fd)
+    sock = trio.socket.from_stdlib_socket(raw)
+    check_peer(sock)
+    header, fds = await recv_message(sock)
+    try:
+        fn = _load(header["stage"])
+        if header.get("args") is not None:
+            fn = fn(**header["args"])
+            if not callable(fn):
+                raise InvalidCommand(f"stage factory {header['stage']!r} must return a callable")
+    except Exception as exc:
+        await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    depth = int(header["depth"])
+
+    class _Stop(Exception):
+        pass
+
+    try:
+        async with open_device("cpu:0") as device:
+            metas = header["buffers"]
+            buffers = [
+                device.import_buffer(
+                    bfd,
+                    m["nbytes"] + m["offset"],
+                    offset=m["offset"],
+                    dtype=m["dtype"],
+                    shape=m["shape"],
+                )
+                for bfd, m in zip(fds[: len(metas)], metas, strict=True)
+            ]
+            sfds = fds[len(metas) :]
+            sigs = [
+                attach_signal(m, sfds[2 * j : 2 * j + 2]) for j, m in enumerate(header["signals"])
+            ]
+            own = [os.dup(s.fd) for s in sigs]
+            await send_message(sock, {"op": "ready"}, own)
+            for efd in own:
+                os.close(efd)
+            peers, pfds = await recv_message(sock)
+            by_name = {s.name: s for s in sigs}
+            for name, pfd in zip(peers["names"], pfds, strict=True):
+                by_name[name].add_peer(pfd)
+            inp, free, done = sigs
+            ins = [b._kernel_array() for b in buffers[:depth]]
+            outs = [b._kernel_array() for b in buffers[depth:]]
+
+            async def engine() -> None:
+                error = await trio.to_thread.run_sync(
+                    _stage_loop, fn, ins, outs, inp, free, done, depth
+                )
+                if error is not None:
+                    text = f"{type(error).__name__}: {error}"
+                    with contextlib.suppress(PeerGone, OSError):
+                        await send_message(sock, {"op": "fault", "error": text})
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine)
+                while True:
+                    try:
+                        message, extra = await recv_message(sock)
+                    except PeerGone:
+                        break
+                    for e in extra:
+                        os.close(e)
+                    if message.get("op") == "stop":
+                        break
+                for sig in sigs:  # wakes the stage thread out of its wait
+                    sig._break(DeviceClosed("the worker is stopping"))
+            raise _Stop  # leave the device by an exception: nothing is left to drain
+    except _Stop:
+        pass
+
+
+def _stage_loop(
+    fn: Callable[..., Any],
+    ins: list[npt.NDArray[Any]],
+    outs: list[npt.NDArray[Any]],
+    inp: Signal,
+    free: Signal,
+    done: Signal,
+    depth: int,
+) -> BaseException | None:
+    """The worker's engine thread: item after item, sleeping on the signals' eventfds.
+
+    Returns None when stopped (the signals were broken), or the stage's error."""
+    k = 0
+    try:
+        while True:
+            k += 1
+            slot = k % depth
+            inp.wait_sync(k)  # the input of item k is in place
+            if k > depth:
+                free.wait_sync(k - depth)  # the consumer is done with this output slot
+            fn(outs[slot], ins[slot])
+            done.value = k
+    except DeviceClosed:
+        return None
+    except BaseException as exc:
+        return exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    trio.run(_worker_main, int(args[0]))
+    sys.stdout.flush()
+    # Everything is closed or is released by the kernel with the process: skip the
+    # interpreter's slow teardown (it dominated a pipeline's close).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
