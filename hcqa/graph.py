@@ -51,6 +51,7 @@ import trio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
 from hcqa.actors import Batch
+from hcqa.devices.crunner import fuse_static_runs
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
 from hcqa.queue import _resolve_command
 from hcqa.signals import Fence, Signal
@@ -297,7 +298,8 @@ class Graph:
         nsig += 1  # the part's final signal
         patches.append((len(template), "signal", nsig))
         template.append(None)
-        template, patches = self._fuse_native(template, patches)
+        template, patches, fused = fuse_static_runs(template, patches)
+        self._native += fused
         return _Part(
             actor=q,
             template=template,
@@ -308,46 +310,6 @@ class Graph:
             also=tuple(also.values()),
             transfers=transfers,
         )
-
-    def _fuse_native(
-        self, template: list[Any], patches: list[tuple[int, str, Any]]
-    ) -> tuple[list[Any], list[tuple[int, str, Any]]]:
-        """Replace runs of >= 2 static C Execs on a cpu device by one native runner."""
-        from hcqa.devices.crunner import RunC, build_runner
-
-        patched = {i for i, _, _ in patches}
-        out: list[Any] = []
-        remap: dict[int, int] = {}
-        run: list[cmd.Exec] = []
-
-        def flush() -> None:
-            if len(run) >= 2 and getattr(run[0].program.device, "native_runner", False):
-                calls = [
-                    (e.program.kernel, [b.va_addr for b in e.buffers], e.vals, _no_check)
-                    for e in run
-                ]
-                runner: RunC = build_runner(calls, [e.program.name for e in run])  # type: ignore[arg-type]
-                out.append(runner)
-                self._native += 1
-            else:
-                out.extend(run)
-            run.clear()
-
-        for i, c in enumerate(template):
-            static_c = (
-                i not in patched
-                and isinstance(c, cmd.Exec)
-                and c.program.kernel is not None
-                and all(isinstance(v, int) for v in c.vals)
-            )
-            if static_c:
-                run.append(c)
-                continue
-            flush()
-            remap[i] = len(out)
-            out.append(c)
-        flush()
-        return out, [(remap[i], kind, data) for i, kind, data in patches]
 
     # -- replay --------------------------------------------------------------------------
 
@@ -502,10 +464,6 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
-
-
-def _no_check(value: int) -> None:
-    pass
 
 
 def _boundary_waits(part: _Part) -> list[Any]:

@@ -21,20 +21,20 @@ that instance; later enqueues raise it, later waits raise it.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
-import numpy as np
 import numpy.typing as npt
 import trio
 
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
-from hcqa.devices.buffer import Buffer, typed_size
+from hcqa.devices.buffer import Buffer, check_size, host_ref, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
@@ -386,21 +386,17 @@ class Device:
 
     def _copyin(self, buf: Buffer, src: Any) -> Fence:
         buf._check()
-        host = _host_ref(src, buf, writable=False)
+        host = host_ref(src, buf, writable=False)
         command = cmd.Copy(dest=buf, src=host, nbytes=buf.nbytes)
         return self._submit(self.copy, [command], writes=[buf])
 
     def _copyout(self, buf: Buffer, dest: Any) -> Fence:
         buf._check()
-        host = _host_ref(dest, buf, writable=True)
+        host = host_ref(dest, buf, writable=True)
         command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
         return self._submit(self.copy, [command], reads=[buf])
 
     def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
-        import os
-
-        from hcqa.devices.buffer import check_size
-
         buf._check()
         offset = check_size("offset", offset)
         n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
@@ -481,41 +477,3 @@ def _describe(command: Any) -> str:
     if names is not None:
         return f"native run of {', '.join(map(repr, names))}"
     return type(command).__name__
-
-
-def _host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
-    """Check a host array for copyin (writable=False) / copyout (writable=True)."""
-    what = "copyout" if writable else "copyin"
-    if isinstance(obj, np.ndarray):
-        arr = obj
-        if buf.dtype is not None and arr.dtype != buf.dtype:
-            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype})")
-        if writable:
-            if not arr.flags.c_contiguous or not arr.flags.writeable:
-                raise InvalidCommand(
-                    f"{what}: the array must be writable and C-contiguous "
-                    f"(got contiguous={arr.flags.c_contiguous}, writable={arr.flags.writeable})"
-                )
-        elif not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-    elif isinstance(obj, (bytes, bytearray, memoryview)):
-        if writable and (isinstance(obj, bytes) or (isinstance(obj, memoryview) and obj.readonly)):
-            raise InvalidCommand(
-                f"{what}: the destination must be writable (got {type(obj).__name__})"
-            )
-        try:
-            arr = np.frombuffer(obj, dtype=np.uint8)
-        except (ValueError, BufferError) as exc:
-            raise InvalidCommand(f"{what}: need a contiguous buffer ({exc})") from exc
-    else:
-        raise TypeError(
-            f"{what} needs a numpy array, bytes, bytearray or memoryview (got {type(obj).__name__})"
-        )
-    if arr.nbytes != buf.nbytes:
-        raise InvalidCommand(
-            f"{what}: host data must be {buf.nbytes} bytes, the buffer's size "
-            f"(got {arr.nbytes}; use buf.view() for part of a buffer)"
-        )
-    return cmd.HostMemoryRef(
-        va_addr=arr.__array_interface__["data"][0], nbytes=arr.nbytes, keep=(obj, arr)
-    )

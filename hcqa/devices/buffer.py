@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from hcqa import commands as cmd
 from hcqa.errors import DeviceClosed, InvalidCommand
 from hcqa.signals import Fence
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from hcqa.devices.base import Device
     from hcqa.devices.memory import HostMemory
 
-__all__ = ["Buffer", "Hazards", "check_size"]
+__all__ = ["Buffer", "Hazards", "check_size", "host_ref", "typed_size"]
 
 
 def check_size(name: str, value: object, *, minimum: int = 0) -> int:
@@ -262,3 +263,41 @@ def typed_size(
             raise InvalidCommand("alloc() needs 'nbytes' or 'shape' and 'dtype' (got neither)")
         nbytes = math.prod(shp) * dt.itemsize
     return nbytes, dt, shp
+
+
+def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
+    """Check a host array for copyin (writable=False) / copyout (writable=True)."""
+    what = "copyout" if writable else "copyin"
+    if isinstance(obj, np.ndarray):
+        arr = obj
+        if buf.dtype is not None and arr.dtype != buf.dtype:
+            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype})")
+        if writable:
+            if not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise InvalidCommand(
+                    f"{what}: the array must be writable and C-contiguous "
+                    f"(got contiguous={arr.flags.c_contiguous}, writable={arr.flags.writeable})"
+                )
+        elif not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        if writable and (isinstance(obj, bytes) or (isinstance(obj, memoryview) and obj.readonly)):
+            raise InvalidCommand(
+                f"{what}: the destination must be writable (got {type(obj).__name__})"
+            )
+        try:
+            arr = np.frombuffer(obj, dtype=np.uint8)
+        except (ValueError, BufferError) as exc:
+            raise InvalidCommand(f"{what}: need a contiguous buffer ({exc})") from exc
+    else:
+        raise TypeError(
+            f"{what} needs a numpy array, bytes, bytearray or memoryview (got {type(obj).__name__})"
+        )
+    if arr.nbytes != buf.nbytes:
+        raise InvalidCommand(
+            f"{what}: host data must be {buf.nbytes} bytes, the buffer's size "
+            f"(got {arr.nbytes}; use buf.view() for part of a buffer)"
+        )
+    return cmd.HostMemoryRef(
+        va_addr=arr.__array_interface__["data"][0], nbytes=arr.nbytes, keep=(obj, arr)
+    )

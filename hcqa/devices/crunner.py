@@ -35,7 +35,7 @@ import attrs
 from hcqa.devices.compiler import CKernel, compile_c
 from hcqa.variables import IntLike, VarVals, resolve
 
-__all__ = ["RunC", "build_runner"]
+__all__ = ["RunC", "build_runner", "fuse_static_runs"]
 
 
 def _c_int_type(ctype: type) -> str:
@@ -110,3 +110,49 @@ def build_runner(
     entry = kernel.fn
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return RunC(entry=entry, fns=fns, args=table_, names=tuple(names), slots=tuple(slots))
+
+
+def _no_check(value: int) -> None:
+    pass
+
+
+def fuse_static_runs(
+    template: list[Any], patches: list[tuple[int, str, Any]]
+) -> tuple[list[Any], list[tuple[int, str, Any]], int]:
+    """Replace runs of >= 2 C Execs with fixed arguments on a device that allows it
+    (``native_runner``) by one :class:`RunC`; the new template, the patch slots moved to
+    their new positions, and how many runners were made."""
+    from hcqa import commands as cmd
+
+    patched = {i for i, _, _ in patches}
+    out: list[Any] = []
+    remap: dict[int, int] = {}
+    run: list[Any] = []
+    made = 0
+
+    def flush() -> None:
+        nonlocal made
+        if len(run) >= 2 and getattr(run[0].program.device, "native_runner", False):
+            calls = [
+                (e.program.kernel, [b.va_addr for b in e.buffers], e.vals, _no_check) for e in run
+            ]
+            out.append(build_runner(calls, [e.program.name for e in run]))
+            made += 1
+        else:
+            out.extend(run)
+        run.clear()
+
+    for i, c in enumerate(template):
+        if (
+            i not in patched
+            and isinstance(c, cmd.Exec)
+            and c.program.kernel is not None
+            and all(isinstance(v, int) for v in c.vals)
+        ):
+            run.append(c)
+            continue
+        flush()
+        remap[i] = len(out)
+        out.append(c)
+    flush()
+    return out, [(remap[i], kind, data) for i, kind, data in patches], made
