@@ -12,11 +12,9 @@ At the end of the block the graph is *built*, once:
 * Dependencies come from buffer access, as in eager mode: a node that reads a
   buffer depends on its last writer; one that writes depends on the last writer
   and every reader since. Nodes of one queue keep their order and need nothing.
-* A cross-queue dependency becomes a ``Wait`` on the producer queue's signal,
-  and the producer gets a ``Signal`` right after the node that is waited for.
-  Redundant waits are dropped with vector clocks: a queue that already knows
-  (directly or through another queue's wait) that the producer got that far
-  does not wait again.
+* A cross-queue dependency becomes a ``Wait`` on the producer queue's signal, which
+  the producer sets right after that node. Waits that a queue's vector clock already
+  implies (directly or through another queue's wait) are dropped.
 * Each queue's part becomes a *template* batch: static commands shared by every
   replay, plus *patch slots* for what changes per replay -- signal values
   (they count on from wherever the queue's signal is at replay time) and
@@ -31,12 +29,11 @@ with the same buffer hazards as eager work, so replays of one graph from
 several tasks, or eager work around a replay, serialize correctly: a replay
 simply queues behind the previous one.
 
-``await g(...)`` fans out: one child task of a nursery per queue and per
-cross-device transfer awaits that part's completion. The first failure cancels
-the siblings; the replay raises that :class:`~hcqa.errors.DeviceFault` itself
-(faults cross devices as the same instance), or an ``ExceptionGroup`` when
-several *different* errors happened. Cancelling the awaiting task does not
-cancel device work: the replay completes on the devices, which stay usable.
+``await g(...)`` fans out: one child task of a nursery per queue and per cross-device
+transfer awaits that part. The first failure cancels the siblings; the replay raises
+that :class:`~hcqa.errors.DeviceFault` itself (faults cross devices as one instance),
+or an ``ExceptionGroup`` when the replay's devices hold several *different* errors.
+Cancelling the awaiting task does not cancel device work: the devices stay usable.
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ import trio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
 from hcqa.actors import Batch
+from hcqa.devices.buffer import hazard_waits
 from hcqa.devices.crunner import fuse_static_runs
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
 from hcqa.queue import _resolve_command
@@ -370,7 +368,7 @@ class Graph:
                     f"{part.actor.name} queue is full: await the graph to apply backpressure"
                 )
         # Boundary hazards first, for all parts, before any of this replay is recorded.
-        heads = [_boundary_waits(part) for part, _, _ in resolved]
+        heads = [hazard_waits(p.actor, p.reads, p.writes) for p, _, _ in resolved]
         finals: dict[QueueActor, int] = {p.actor: base + p.nsignals for p, _, base in resolved}
         fences: list[Fence] = []
         sink_fence: Fence | None = None
@@ -429,6 +427,12 @@ class Graph:
         async with trio.open_nursery() as nursery:
             for f in fences:
                 nursery.start_soon(watch, f, nursery.cancel_scope)
+        if errors:  # independent faults elsewhere in this replay belong in the report too
+            for part in self._parts:
+                other = part.actor.device._error
+                if isinstance(other, HcqaError) and all(other is not e for e in errors):
+                    other.observed = True
+                    errors.append(other)
         if len(errors) == 1:
             raise errors[0]
         if errors:
@@ -464,24 +468,6 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
-
-
-def _boundary_waits(part: _Part) -> list[Any]:
-    """Waits that order a replay's part after earlier uses of its buffers elsewhere."""
-    q = part.actor
-    waits: dict[QueueActor, int] = {}
-    for b in part.reads:
-        w = b._hazards.write
-        if w is not None and w[0] is not q and w[0].signal.value < w[1]:
-            waits[w[0]] = max(waits.get(w[0], 0), w[1])
-    for b in part.writes:
-        hz = b._hazards
-        if hz.write is not None and hz.write[0] is not q and hz.write[0].signal.value < hz.write[1]:
-            waits[hz.write[0]] = max(waits.get(hz.write[0], 0), hz.write[1])
-        for r, v in hz.reads.items():
-            if r is not q and r.signal.value < v:
-                waits[r] = max(waits.get(r, 0), v)
-    return [cmd.Wait(signal=r.signal, value=v) for r, v in waits.items()]
 
 
 @contextlib.contextmanager

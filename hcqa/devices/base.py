@@ -34,7 +34,7 @@ import trio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
-from hcqa.devices.buffer import Buffer, check_size, host_ref, typed_size
+from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
@@ -328,19 +328,7 @@ class Device:
                 f"{actor.name} queue is full ({actor.capacity} batches pending): "
                 "await submit_async() / the fences to apply backpressure"
             )
-        batch: list[Any] = []
-        for b in reads:
-            w = b._hazards.write
-            if w is not None and w[0] is not actor and w[0].signal.value < w[1]:
-                batch.append(cmd.Wait(signal=w[0].signal, value=w[1]))
-        for b in writes:
-            hz = b._hazards
-            w = hz.write
-            if w is not None and w[0] is not actor and w[0].signal.value < w[1]:
-                batch.append(cmd.Wait(signal=w[0].signal, value=w[1]))
-            for q, v in hz.reads.items():
-                if q is not actor and q.signal.value < v:
-                    batch.append(cmd.Wait(signal=q.signal, value=v))
+        batch: list[Any] = hazard_waits(actor, reads, writes)
         if waits is not None:
             waits = waits or bool(batch)
         batch.extend(commands)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from hcqa.devices.base import Device
     from hcqa.devices.memory import HostMemory
 
-__all__ = ["Buffer", "Hazards", "check_size", "host_ref", "typed_size"]
+__all__ = ["Buffer", "Hazards", "check_size", "hazard_waits", "host_ref", "typed_size"]
 
 
 def check_size(name: str, value: object, *, minimum: int = 0) -> int:
@@ -66,6 +67,31 @@ class Hazards:
         if self.write is not None and self.write[0].signal.value < self.write[1]:
             return True
         return any(q.signal.value < v for q, v in self.reads.items())
+
+
+def hazard_waits(
+    actor: QueueActor, reads: Iterable[Buffer], writes: Iterable[Buffer]
+) -> list[cmd.Wait]:
+    """The Waits a batch on ``actor`` needs before it reads ``reads`` and writes
+    ``writes``: on other queues' unfinished writes (and, for a write, reads); one per
+    queue, for the highest value needed; none for what is already done."""
+    need: dict[QueueActor, int] = {}
+
+    def after(q: QueueActor, v: int) -> None:
+        if q is not actor and q.signal.value < v and need.get(q, 0) < v:
+            need[q] = v
+
+    for b in reads:
+        w = b._hazards.write
+        if w is not None:
+            after(*w)
+    for b in writes:
+        hz = b._hazards
+        if hz.write is not None:
+            after(*hz.write)
+        for q, v in hz.reads.items():
+            after(q, v)
+    return [cmd.Wait(signal=q.signal, value=v) for q, v in need.items()]
 
 
 def _free(device: Device, mem: HostMemory) -> None:
