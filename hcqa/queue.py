@@ -27,8 +27,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
 from hcqa import commands as cmd
+from hcqa._capture import current_capture
 from hcqa.devices.buffer import Buffer
 from hcqa.errors import InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal, _check_target
@@ -190,21 +192,17 @@ class Queue:
             b._check()
 
     def _resolve(self, var_vals: VarVals | None) -> list[Any]:
+        """The commands to send: variables bound -- or kept, inside a capture with no
+        ``var_vals``, for the graph to bind at replay."""
         self._check_buffers()
         commands = list(self._commands)
+        if var_vals is None and current_capture() is not None:
+            return commands
         for i in self._symbolic_at:  # only these change from one submit to the next
             commands[i] = _resolve_command(commands[i], var_vals)
         return commands
 
-    def submit(self, var_vals: VarVals | None = None) -> Fence:
-        """Send the batch now (never blocks; QueueFull when the channel is full)."""
-        from hcqa._capture import current_capture
-
-        if var_vals is None and current_capture() is not None:
-            self._check_buffers()
-            commands = list(self._commands)  # a capture keeps the variables for replay
-        else:
-            commands = self._resolve(var_vals)
+    def _send(self, commands: list[Any]) -> Fence:
         return self.device._submit(
             self._actor,
             commands,
@@ -213,27 +211,20 @@ class Queue:
             waits=self._waits,
         )
 
+    def submit(self, var_vals: VarVals | None = None) -> Fence:
+        """Send the batch now (never blocks; QueueFull when the channel is full)."""
+        return self._send(self._resolve(var_vals))
+
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
         """Wait for room in the queue's channel, then submit (backpressure)."""
-        from hcqa._capture import current_capture
-
-        if var_vals is None and current_capture() is not None:
-            commands = list(self._commands)  # a capture keeps the variables for replay
-        else:
-            commands = self._resolve(var_vals)
+        commands = self._resolve(var_vals)
         while True:
             try:
-                fence = self.device._submit(
-                    self._actor,
-                    commands,
-                    reads=self._reads.values(),
-                    writes=self._writes.values(),
-                    waits=self._waits,
-                )
+                fence = self._send(commands)
             except QueueFull:
                 await self._actor.wait_for_space()
                 continue
-            await _checkpoint()
+            await trio.lowlevel.checkpoint()
             return fence
 
     def __len__(self) -> int:
@@ -241,12 +232,6 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<Queue {self.device.name} {self.kind}: {len(self._commands)} commands>"
-
-
-async def _checkpoint() -> None:
-    import trio
-
-    await trio.lowlevel.checkpoint()
 
 
 def _signal_arg(signal: object) -> None:
