@@ -150,10 +150,7 @@ class Graph:
         self._dropped = 0
         self._native = 0
         self._variables: set[Variable] = set()
-        self._capture_signal = Signal(name="capture placeholder")
-        self._capture_signal._break(
-            InvalidCommand("a fence returned while capturing can't be awaited: await the replay")
-        )
+        self._capture_signal = _placeholder()
         self._sink: QueueActor | None = None
         self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
         # per allocation touched: (a buffer, last writer queue or None, queues reading since)
@@ -468,6 +465,20 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
+
+
+_PLACEHOLDER: list[Signal] = []
+
+
+def _placeholder() -> Signal:
+    """The (broken) signal of every fence handed out while capturing: one per process."""
+    if not _PLACEHOLDER:
+        sig = Signal(name="capture placeholder")
+        sig._break(
+            InvalidCommand("a fence returned while capturing can't be awaited: await the replay")
+        )
+        _PLACEHOLDER.append(sig)
+    return _PLACEHOLDER[0]
 
 
 @contextlib.contextmanager

@@ -121,6 +121,8 @@ class Signal:
 
     def __init__(self, value: int = 0, *, name: str | None = None) -> None:
         value = _check_target(value)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"'name' must be a str (got {type(name).__name__})")
         page, index = pool.take()
         self._setup(page, index, name, owned=True)
         self._value.value = value

@@ -518,3 +518,18 @@ async def test_timed_inside_a_capture_is_refused_before_recording(tmp_path: Path
             with pytest.raises(InvalidCommand, match="can't be captured"):
                 await env.c.timed(env.b, env.a, vals=(N,))
         assert g.statistics().nodes == 0  # a recorded Timestamp would outlive its signals
+
+
+async def test_small_input_fixes() -> None:
+    """Unknown open options name the public function; numpy ints work as vals; a
+    signal's name must be a str."""
+    with pytest.raises(TypeError, match=r"open_devices\(\) got unknown options \['bogus'\]"):
+        async with hcqa.open_device("cpu:0", bogus=1):
+            pass  # pragma: no cover
+    with pytest.raises(TypeError, match="'name' must be a str"):
+        hcqa.Signal(name=3)  # type: ignore[arg-type]
+    async with hcqa.open_device("cpu:0") as d:
+        seen: list[int] = []
+        prog = d.program("take", lambda out, n: seen.append(n))
+        await prog(d.alloc(8), vals=(np.int64(5),))
+        assert seen == [5] and type(seen[0]) is int

@@ -75,6 +75,9 @@ def _make(spec: object, options: dict[str, Any]) -> Device:
     return CpuDevice(name, **options)
 
 
+_OPTIONS = {"hang_limit", "host_visible", "queue_depth", "memory", "timeline_start"}
+
+
 def _options(
     hang_limit: float = 30.0,
     host_visible: bool = True,
@@ -115,6 +118,11 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes).
     """
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"open_devices() got unknown options {unknown} (expected some of {sorted(_OPTIONS)})"
+        )
     opts = _options(**options)
     if not specs:
         raise InvalidCommand("open_devices() needs at least one device spec (got none)")

@@ -27,6 +27,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
 from hcqa.errors import InvalidCommand
@@ -160,6 +162,8 @@ class Program:
             b._check()
         if not isinstance(vals, (tuple, list)):
             raise TypeError(f"'vals' must be a tuple of ints (got {type(vals).__name__})")
+        if any(isinstance(v, np.integer) for v in vals):
+            vals = [int(v) if isinstance(v, np.integer) else v for v in vals]
         for i, v in enumerate(vals):
             if not isinstance(v, (int, Variable, Expr)) or isinstance(v, bool):
                 raise TypeError(f"{self.name!r} val {i} must be an int (got {type(v).__name__})")
