@@ -90,14 +90,13 @@ async def _worker_main(fd: int) -> None:
             by_name = {s.name: s for s in sigs}
             for name, pfd in zip(peers["names"], pfds, strict=True):
                 by_name[name].add_peer(pfd)
-            inp, free, done = sigs
+            inp, done = sigs
             ins = [b._kernel_array() for b in buffers[:depth]]
-            outs = [b._kernel_array() for b in buffers[depth:]]
+            outs = [b._kernel_array() for b in buffers[depth : 2 * depth]]
+            table = buffers[2 * depth]._kernel_array()
 
             async def engine() -> None:
-                error = await trio.to_thread.run_sync(
-                    _stage_loop, fn, ins, outs, inp, free, done, depth
-                )
+                error = await trio.to_thread.run_sync(_stage_loop, fn, ins, outs, table, inp, done)
                 if error is not None:
                     text = f"{type(error).__name__}: {error}"
                     with contextlib.suppress(PeerGone, OSError):
@@ -125,22 +124,20 @@ def _stage_loop(
     fn: Callable[..., Any],
     ins: list[npt.NDArray[Any]],
     outs: list[npt.NDArray[Any]],
+    table: npt.NDArray[Any],
     inp: Signal,
-    free: Signal,
     done: Signal,
-    depth: int,
 ) -> BaseException | None:
     """The worker's engine thread: item after item, sleeping on the signals' eventfds.
 
     Returns None when stopped (the signals were broken), or the stage's error."""
+    depth = len(table)
     k = 0
     try:
         while True:
             k += 1
-            slot = k % depth
-            inp.wait_sync(k)  # the input of item k is in place
-            if k > depth:
-                free.wait_sync(k - depth)  # the consumer is done with this output slot
+            inp.wait_sync(k)  # item k's input is in place, and its slot in the table
+            slot = int(table[k % depth])
             fn(outs[slot], ins[slot])
             done.value = k
     except DeviceClosed:

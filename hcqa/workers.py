@@ -5,33 +5,33 @@ Theory of operation
 :func:`open_process_pipeline` starts one worker process per stage (``python -m
 hcqa._worker``), each owning its own ``cpu:0`` device, and connects to each with a
 Unix socketpair. Everything the stages share is created by the coordinator and
-*handed over as fds* (``hcqa.ipc``): per slot, the stage buffers (memfds, so the
-output of stage ``i`` is the very memory stage ``i + 1`` reads), and the timeline
-signals that order them:
+*handed over as fds* (``hcqa.ipc``): the slots (each stage's input and output
+buffers, memfds, so the output of stage ``i`` is the very memory stage ``i + 1``
+reads), a *slot table* saying which slot item ``k`` uses, and the signals that order
+them:
 
-* ``fed``: items whose input the coordinator has copied in;
-* ``done{i}``: items stage ``i`` has finished;
-* ``drained``: items whose output the coordinator has copied out.
+* ``fed``: items whose input is in place (and whose slot is in the table);
+* ``done{i}``: items stage ``i`` has finished.
 
-Worker ``i`` runs item ``k`` in slot ``k % depth`` once ``in_ready >= k`` and
-``out_free >= k - depth``, then sets ``done{i} = k`` -- the waits sleep on eventfds, so
-an idle worker costs no CPU, and nothing but signal writes crosses processes per
-item (see the last paragraph for who waits). Every process
-sleeps on its own eventfd of a signal; at set-up the coordinator collects them and
-gives each participant the others' as peers, so a value written anywhere wakes
-everyone.
+Worker ``i`` does not run a queue actor: its stage runs in its engine thread, which
+sleeps in ``wait_sync`` until its input signal reaches ``k``, runs ``fn(out, inp)`` on
+the item's slot and sets ``done{i} = k`` -- one wake-up per item (an actor would add a
+trio hop and a thread hop), and nothing but signal writes crosses processes per item.
+Every process sleeps on its own eventfd of a signal; at set-up the coordinator collects
+them and gives each participant the others' as peers, so a value written anywhere
+wakes everyone. An idle pipeline costs no CPU in any process.
+
+Slots come from a LIFO pool of ``depth`` (the bound on items in flight), so items one
+after another reuse the slot still in the caches. A slot goes back as soon as its item
+is released: every stage handles items in order, so the next item in that slot is
+written only after this one was read.
 
 A worker that dies closes its socket and exits (trio waits on its pidfd): the
 coordinator's watchers break the pipeline's signals with a
 :class:`~hcqa.errors.DeviceFault`, so callers fail fast instead of hanging; a stage that
 raises sends its error back over the socket, with the same effect. Closing sends
 ``stop``, waits for each worker to exit (killing it after a grace period) and closes
-every fd; memfds vanish with their last fd.
-
-Worker ``i`` does not run a queue actor: its stage runs in its engine thread, which
-sleeps in ``wait_sync`` on the shared signals (``in_ready >= k``, ``out_free >= k -
-depth``), runs ``fn(out, inp)`` and sets ``done{i} = k`` -- one wake-up per item, where
-an actor would add a trio hop and a thread hop. ``pipe.item()`` gives zero-copy access:
+every fd; memfds vanish with their last fd. ``pipe.item()`` gives zero-copy access:
 fill the input slot in place, read the output as a view until the block ends.
 """
 
@@ -114,37 +114,32 @@ class ProcessPipeline:
             [device.alloc(shape=shape, dtype=dt, shared=True) for _ in range(depth)]
             for shape, dt in self.shapes
         ]
-        n = len(self.stages)
-        self.signals: dict[str, Signal] = {
-            "fed": Signal(name="fed"),
-            "drained": Signal(name="drained"),
-        }
-        for i in range(n):
+        # slot_table[k % depth]: the slot of item k, written before ``fed`` reaches k
+        self.slot_table = device.alloc(shape=(depth,), dtype="int64", shared=True)
+        self._table = self.slot_table._kernel_array()
+        self._free_slots = list(range(depth))  # LIFO: the warmest slot goes next
+        self.signals: dict[str, Signal] = {"fed": Signal(name="fed")}
+        for i in range(len(self.stages)):
             self.signals[f"done{i}"] = Signal(name=f"done{i}")
         self.workers: list[_Worker] = []
         self._next = 0
         self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
-        self._drained: set[int] = set()  # items whose output was read, likewise
         self._limit = trio.Semaphore(depth)
         self.fault: DeviceFault | None = None
         self.completed = 0
 
     def _stage_signals(self, i: int) -> list[str]:
-        n = len(self.stages)
-        inp = "fed" if i == 0 else f"done{i - 1}"
-        free = "drained" if i == n - 1 else f"done{i + 1}"
-        return [inp, free, f"done{i}"]
+        return ["fed" if i == 0 else f"done{i - 1}", f"done{i}"]
 
     async def _connect(self, worker: _Worker) -> list[int]:
         """Phase 1: hand the worker its buffers and signals; returns its eventfds."""
         i = worker.index
         fds: list[int] = []
         bufs = []
-        for j in (i, i + 1):
-            for b in self.buffers[j]:
-                fd, meta = b.export()
-                fds.append(fd)
-                bufs.append(meta)
+        for b in (*self.buffers[i], *self.buffers[i + 1], self.slot_table):
+            fd, meta = b.export()
+            fds.append(fd)
+            bufs.append(meta)
         sigs = []
         for name in self._stage_signals(i):
             meta, sfds = offer_signal(self.signals[name])
@@ -160,7 +155,7 @@ class ProcessPipeline:
         }
         await send_message(worker.sock, header, fds)
         reply, eventfds = await recv_message(worker.sock)
-        if reply.get("op") != "ready" or len(eventfds) != 3:
+        if reply.get("op") != "ready" or len(eventfds) != 2:
             for fd in eventfds:
                 os.close(fd)
             raise DeviceFault(f"worker {i} failed to set up: {reply.get('error', reply)}")
@@ -252,14 +247,19 @@ class ProcessPipeline:
             raise self.fault
         async with self._limit:
             self._next += 1
-            item = PipelineItem(self, self._next)
+            slot = self._free_slots.pop()
+            self._table[self._next % self.depth] = slot
+            item = PipelineItem(self, self._next, slot)
             try:
                 yield item
             finally:
                 if not item.fed:
                     self._advance(self._fed, "fed", item.number)
-                self._advance(self._drained, "drained", item.number)
                 item.done = True
+                # Back to the pool at once: every stage handles items in order, so the
+                # next item in this slot is written after this one is read -- and if this
+                # item was abandoned midway, only its own (dropped) data is overwritten.
+                self._free_slots.append(slot)
 
     def _advance(self, ready: set[int], name: str, k: int) -> None:
         """Mark item ``k``; the signal ``name`` moves over the prefix of marked items."""
@@ -276,10 +276,10 @@ class ProcessPipeline:
 class PipelineItem:
     """One item of a :class:`ProcessPipeline` (see :meth:`ProcessPipeline.item`)."""
 
-    def __init__(self, pipe: ProcessPipeline, number: int) -> None:
+    def __init__(self, pipe: ProcessPipeline, number: int, slot: int) -> None:
         self.pipe = pipe
         self.number = number
-        self.slot = number % pipe.depth
+        self.slot = slot
         self.fed = False
         self.done = False
 
@@ -377,6 +377,8 @@ async def open_process_pipeline(
                     for b in row:
                         b._array = None
                 pipe.buffers = []
+                pipe.slot_table._array = None
+                pipe._table = np.empty(0, np.int64)
             if error is not None:
                 raise error
     finally:
