@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -32,3 +32,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     print(markdown_table(headers, rows))
+
+
+def run_quick_cli(
+    main: Callable[[bool], Awaitable[None]], doc: str | None, argv: Sequence[str] | None
+) -> None:
+    """``python -m bench.X [--quick]``: parse the flag and run ``main(quick)`` under trio."""
+    import argparse
+
+    import trio
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help="a short run (< 30 s)")
+    args = parser.parse_args(argv)
+    trio.run(main, args.quick)

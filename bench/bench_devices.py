@@ -28,7 +28,6 @@ The helpers at the top (``interleave``, ``Series``, the formatting) are shared w
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import statistics
@@ -42,7 +41,7 @@ import numpy as np
 import trio
 
 import hcqa
-from bench._util import markdown_table, percentile
+from bench._util import markdown_table, percentile, run_quick_cli
 
 # -- shared helpers (bench_graph imports these) -------------------------------------------
 
@@ -524,10 +523,7 @@ async def main(quick: bool) -> None:
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a short run (< 30 s)")
-    args = parser.parse_args(argv)
-    trio.run(main, args.quick)
+    run_quick_cli(main, __doc__, argv)
 
 
 if __name__ == "__main__":

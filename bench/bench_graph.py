@@ -26,7 +26,6 @@ What is measured (all rows interleaved round by round in a rotating order; quote
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -35,10 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import trio
 
 import hcqa
-from bench._util import markdown_table
+from bench._util import markdown_table, run_quick_cli
 from bench.bench_devices import (
     AsyncOp,
     Series,
@@ -265,10 +263,7 @@ def report(
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a short run (< 30 s)")
-    args = parser.parse_args(argv)
-    trio.run(main, args.quick)
+    run_quick_cli(main, __doc__, argv)
 
 
 if __name__ == "__main__":

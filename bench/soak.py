@@ -150,9 +150,7 @@ async def worker(w: Worker, deadline: float, totals: Totals) -> None:
             totals.graphs += 1
 
 
-async def pipeline_feeder(
-    pipe: hcqa.Pipeline, size: int, deadline: float, totals: Totals
-) -> None:
+async def pipeline_feeder(pipe: hcqa.Pipeline, size: int, deadline: float, totals: Totals) -> None:
     """The pipeline at full load: microbatches through cpu:0 -> cpu:1, checked now and then."""
     rng = np.random.default_rng(7)
     i = 0
