@@ -160,13 +160,7 @@ class Pipeline:
         return await self._run(arr)
 
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
-        arr = np.asarray(x)
-        if arr.shape != self.in_shape or arr.dtype != self.dtype:
-            raise InvalidCommand(
-                f"pipeline input must be {self.dtype}{list(self.in_shape)} "
-                f"(got {arr.dtype}{list(arr.shape)})"
-            )
-        return arr
+        return check_input(x, self.in_shape, self.dtype)
 
     def _actors(self, slot: _Slot) -> dict[Any, int]:
         need: dict[Any, int] = {}
@@ -184,11 +178,7 @@ class Pipeline:
         handed_off = False
         try:
             while True:
-                short = [
-                    a
-                    for a, k in self._actors(slot).items()
-                    if a.capacity - (a.sent - a.received) < k
-                ]
+                short = [a for a, k in self._actors(slot).items() if a.room < k]
                 if not short:
                     break
                 await short[0].wait_for_space()
@@ -258,6 +248,16 @@ class Pipeline:
     def __repr__(self) -> str:
         names = " -> ".join(s.device.name for s in self.stages)
         return f"<Pipeline {names} depth={self.depth}>"
+
+
+def check_input(x: npt.ArrayLike, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """``x`` as an array, if it is a pipeline input of ``shape`` and ``dtype``."""
+    arr = np.asarray(x)
+    if arr.shape != shape or arr.dtype != dtype:
+        raise InvalidCommand(
+            f"pipeline input must be {dtype}{list(shape)} (got {arr.dtype}{list(arr.shape)})"
+        )
+    return arr
 
 
 def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:

@@ -170,19 +170,14 @@ class Signal:
         value = _check_target(value)
         if self._closed:
             raise DeviceClosed(f"signal {self.name!r} is closed")
-        self._value.value = value
-        if self._waiters or _forked:
-            os.eventfd_write(self._fd, 1)
-        for peer in self._peers:
-            os.eventfd_write(peer, 1)
+        self._set_from_engine(value)
 
-    def _set_from_engine(self, value: int, stamp_ns: int | None = None) -> None:
-        """Fast path for engine threads: no argument checks, optional timestamp. A closed
-        signal is left alone (its slot may already belong to another signal)."""
+    def _set_from_engine(self, value: int) -> None:
+        """Write the value, then wake: this process's waiters (through the eventfd, if
+        any may be parked) and every peer process. The engines' fast path: no argument
+        checks; a closed signal is left alone (its slot may belong to another signal)."""
         if self._closed:
             return
-        if stamp_ns is not None:
-            self._stamp.value = stamp_ns
         self._value.value = value
         if self._waiters or _forked:
             os.eventfd_write(self._fd, 1)

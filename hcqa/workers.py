@@ -54,6 +54,7 @@ from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
 from hcqa.errors import DeviceFault, InvalidCommand
 from hcqa.ipc import PeerGone, check_peer, offer_signal, recv_message, send_message
+from hcqa.pipeline import check_input
 from hcqa.signals import Signal
 
 __all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipeline"]
@@ -217,12 +218,7 @@ class ProcessPipeline:
 
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one item through every stage process; returns the last stage's output."""
-        arr = np.asarray(x)
-        if arr.shape != self.in_shape or arr.dtype != self.dtype:
-            raise InvalidCommand(
-                f"pipeline input must be {self.dtype}{list(self.in_shape)} "
-                f"(got {arr.dtype}{list(arr.shape)})"
-            )
+        arr = check_input(x, self.in_shape, self.dtype)
         async with self.item() as item:
             if arr.nbytes <= INLINE_COPY:  # a memcpy costs less than a hop to the engine
                 np.copyto(item.input, arr)

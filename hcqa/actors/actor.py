@@ -94,7 +94,12 @@ class QueueActor:
 
     @property
     def full(self) -> bool:
-        return self.sent - self.received >= self.capacity
+        return self.room <= 0
+
+    @property
+    def room(self) -> int:
+        """How many more batches the channel takes now."""
+        return self.capacity - (self.sent - self.received)
 
     def send_nowait(self, batch: Batch, waits: bool | None = None) -> None:
         """Queue ``batch`` (the channel must have room: check ``full`` first).

@@ -75,7 +75,6 @@ class Engine:
         self._dead = False
         self._on_fault = on_fault
         self.exited = Signal(name=f"{name} engine exit")
-        self.executed = 0
         self._thread = threading.Thread(target=self._main, name=f"hcqa {name}", daemon=True)
 
     def start(self) -> None:
@@ -136,7 +135,6 @@ class Engine:
                     except BaseException as exc:
                         self._on_fault(command, exc)
                         self._skip(command, self.error)
-                    self.executed += 1
         except BaseException as exc:  # an error outside any handler: the thread dies
             died = exc
             raise

@@ -95,7 +95,6 @@ class Device:
         self._cancelled = False
         self._hung = False
         self._still_read = False
-        self._started = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
         self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
         self.copy = QueueActor(self, "copy", self._engine("copy"), capacity=queue_depth)
@@ -406,7 +405,6 @@ class Device:
     async def _start(self, nursery: trio.Nursery) -> None:
         await nursery.start(self.compute.run)
         await nursery.start(self.copy.run)
-        self._started = True
 
     def _cancel(self) -> None:
         """Abandon pending work: engines skip what they have not started."""

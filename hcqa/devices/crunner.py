@@ -19,21 +19,20 @@ only on the *shapes* of the calls, so it is compiled once and cached like any
 kernel; the tables are plain ctypes arrays. One ctypes call then runs the whole
 run with the GIL released, and the per-kernel cost is an indirect C call.
 
-Arguments that depend on variables are *slots* of ``a``: each replay gets its
-own copy of the table with the slots filled in (the previous replay may still
-be running with its own).
+Only kernels whose arguments are fixed are fused: their packed arguments
+(``Exec.args``) go into ``a`` once. Kernels with variables stay ordinary Execs,
+patched per replay like any other command.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from hcqa.devices.compiler import CKernel, compile_c
-from hcqa.variables import IntLike, VarVals, resolve
 
 __all__ = ["RunC", "build_runner", "fuse_static_runs"]
 
@@ -48,72 +47,43 @@ def _c_int_type(ctype: type) -> str:
 
 @attrs.frozen(kw_only=True, eq=False)
 class RunC:
-    """A command: call ``entry(fns, args)`` once (args patched per replay if ``slots``)."""
+    """A command: call ``entry(fns, args)`` once -- every fused kernel, in order."""
 
     entry: Any = attrs.field(repr=False)
     fns: Any = attrs.field(repr=False)
     args: Any = attrs.field(repr=False)
     names: tuple[str, ...]
-    slots: tuple[tuple[int, IntLike, Callable[[int], None]], ...] = ()
 
     def __call__(self) -> None:
         self.entry(self.fns, self.args)
 
-    def patched(self, var_vals: VarVals | None) -> RunC:
-        """A copy with the variable slots of the argument table filled in."""
-        if not self.slots:
-            return self
-        args = type(self.args).from_buffer_copy(self.args)
-        for index, value, check in self.slots:
-            v = resolve(value, var_vals)
-            check(v)
-            args[index] = v
-        return attrs.evolve(self, args=args)
 
-
-def build_runner(
-    calls: Sequence[tuple[CKernel, Sequence[int], Sequence[IntLike], Callable[[int], None]]],
-    names: Sequence[str],
-) -> RunC:
-    """One RunC for ``calls``: (kernel, buffer addresses, vals, val range check)."""
+def build_runner(calls: Sequence[tuple[CKernel, Sequence[int]]], names: Sequence[str]) -> RunC:
+    """One RunC for ``calls``: (kernel, its packed arguments: buffer addresses, then vals)."""
     lines = ["#include <stdint.h>"]
     types: dict[tuple[str, ...], str] = {}
     body: list[str] = []
     table: list[int] = []
-    slots: list[tuple[int, IntLike, Callable[[int], None]]] = []
-    for i, (kernel, addrs, vals, check) in enumerate(calls):
+    for i, (kernel, call_args) in enumerate(calls):
         ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
         if ctypes_ not in types:
             types[ctypes_] = f"sig{len(types)}"
             lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
-        args: list[str] = []
-        for t in ctypes_:
-            if t == "void *":
-                args.append(f"(void *)(intptr_t)a[{len(table)}]")
-                table.append(addrs[len(args) - 1])
-            else:
-                args.append(f"({t})a[{len(table)}]")
-                v = vals[len(args) - 1 - len(addrs)]
-                if isinstance(v, int):
-                    table.append(v)
-                else:
-                    slots.append((len(table), v, check))
-                    table.append(0)
+        args = []
+        for t, value in zip(ctypes_, call_args, strict=True):
+            cast = "(void *)(intptr_t)" if t == "void *" else f"({t})"
+            args.append(f"{cast}a[{len(table)}]")
+            table.append(value)
         body.append(f"    (({types[ctypes_]})fn[{i}])({', '.join(args)});")
     lines.append("void hcqa_run(void **fn, const int64_t *a) {")
     lines.extend(body)
     lines.append("}")
     kernel = compile_c("\n".join(lines) + "\n", "hcqa_run")
-    fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _, _, _ in calls])
-    args_t = ctypes.c_int64 * max(1, len(table))
-    table_ = args_t(*[ctypes.c_int64(v).value for v in table])
+    fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _ in calls])
+    packed = (ctypes.c_int64 * max(1, len(table)))(*[ctypes.c_int64(v).value for v in table])
     entry = kernel.fn
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    return RunC(entry=entry, fns=fns, args=table_, names=tuple(names), slots=tuple(slots))
-
-
-def _no_check(value: int) -> None:
-    pass
+    return RunC(entry=entry, fns=fns, args=packed, names=tuple(names))
 
 
 def fuse_static_runs(
@@ -133,9 +103,7 @@ def fuse_static_runs(
     def flush() -> None:
         nonlocal made
         if len(run) >= 2 and getattr(run[0].program.device, "native_runner", False):
-            calls = [
-                (e.program.kernel, [b.va_addr for b in e.buffers], e.vals, _no_check) for e in run
-            ]
+            calls = [(e.program.kernel, e.args) for e in run]
             out.append(build_runner(calls, [e.program.name for e in run]))
             made += 1
         else:
@@ -143,12 +111,8 @@ def fuse_static_runs(
         run.clear()
 
     for i, c in enumerate(template):
-        if (
-            i not in patched
-            and isinstance(c, cmd.Exec)
-            and c.program.kernel is not None
-            and all(isinstance(v, int) for v in c.vals)
-        ):
+        # Exec.args is packed at validation exactly when the kernel is C and its vals fixed
+        if i not in patched and isinstance(c, cmd.Exec) and c.args is not None:
             run.append(c)
             continue
         flush()
