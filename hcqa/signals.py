@@ -369,25 +369,21 @@ class Signal:
 
         A checkpoint; cancel it with trio cancel scopes (``trio.fail_after``).
         """
-        target = _check_target(value)
-        if self.value >= target:
-            await trio.lowlevel.checkpoint()
-            return
-        await trio.lowlevel.checkpoint_if_cancelled()
-        await self._park(target)
+        await self._wait_limited(_check_target(value), None, "")
 
     async def _wait_limited(
         self, target: int, hang_limit: float | None, context: str, *, observe: bool = True
     ) -> None:
         """Wait, raising :class:`SignalTimeout` when the value makes no progress for
-        ``hang_limit`` seconds (it is checked when the limit expires, so the error comes
-        between one and two limits after the last progress)."""
-        if hang_limit is None or math.isinf(hang_limit):
-            hang_limit = math.inf
+        ``hang_limit`` seconds (None or inf: no limit; it is checked when the limit
+        expires, so the error comes between one and two limits after the last progress)."""
         if self.value >= target:
             await trio.lowlevel.checkpoint()
             return
         await trio.lowlevel.checkpoint_if_cancelled()
+        if hang_limit is None or math.isinf(hang_limit):
+            await self._park(target, observe)
+            return
         seen = self.value
         while True:
             with trio.move_on_after(hang_limit):
