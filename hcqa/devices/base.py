@@ -92,7 +92,6 @@ class Device:
         self._error_lock = threading.Lock()
         self._closed = False
         self._closing = False
-        self._cancelled = False
         self._hung = False
         self._still_read = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
@@ -408,7 +407,6 @@ class Device:
 
     def _cancel(self) -> None:
         """Abandon pending work: engines skip what they have not started."""
-        self._cancelled = True
         closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
         for actor in self._queues.values():
             if actor.engine.error is None:
