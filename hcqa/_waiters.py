@@ -43,12 +43,19 @@ class Waiter:
         self.thread = threading.get_ident()
         self.task: trio.lowlevel.Task | None = None
         self.token: trio.lowlevel.TrioToken | None = None
-        # A semaphore, not a lock: a wake that lands while the thread is not blocked
-        # leaves a count behind (a spurious wake-up the wait loop absorbs) instead of
-        # raising on a second release.
+        # A thread's semaphore is made when it first parks (see ``park_lock``): most
+        # thread waits own the eventfd and never park, and a semaphore costs microseconds.
         self.lock: threading.Semaphore | None = None
         if trio_task:
             self.task = trio.lowlevel.current_task()
             self.token = trio.lowlevel.current_trio_token()
-        else:
+
+    def park_lock(self) -> None:
+        """A thread about to be listed as parked: make the semaphore it will block on.
+
+        A semaphore, not a lock: a wake that lands while the thread is not blocked leaves
+        a count behind (a spurious wake-up the wait loop absorbs) instead of raising on a
+        second release. Called under the signal's lock, before the state says PARKED, so
+        whoever wakes the waiter finds it."""
+        if self.task is None and self.lock is None:
             self.lock = threading.Semaphore(0)

@@ -76,6 +76,7 @@ def _after_fork_in_child() -> None:
         sig._lock = threading.Lock()
         sig._waiters = {}
         sig._owner = None
+        sig._poller = None  # it may have been mid-poll in a parent thread
 
 
 os.register_at_fork(before=_note_fork, after_in_child=_after_fork_in_child)
@@ -150,6 +151,7 @@ class Signal:
         self._lock = threading.Lock()
         self._waiters: dict[Waiter, None] = {}
         self._owner: Waiter | None = None
+        self._poller: Any = None  # the owning thread's select.poll, kept across waits
         self._broken: BaseException | None = None
         self._closed = False
         self._final = 0
@@ -282,10 +284,6 @@ class Signal:
         """True when a wait for ``target`` is over (reached or broken)."""
         return self.value >= target or self._broken is not None
 
-    def _register(self, waiter: Waiter) -> None:
-        with self._lock:
-            self._waiters[waiter] = None
-
     def _claim(self, waiter: Waiter) -> bool:
         """At the top of every wait loop: am I the owner? (taking ownership if nobody
         has it). A non-owner is (re)listed as parked, so the owner will wake it."""
@@ -295,6 +293,7 @@ class Signal:
                 self._owner = waiter
             if self._owner is waiter:
                 return True
+            waiter.park_lock()
             waiter.state = State.PARKED
             return False
 
@@ -323,6 +322,9 @@ class Signal:
             os.eventfd_read(self._fd)
         except BlockingIOError:
             pass
+        if len(self._waiters) <= 1:
+            return  # only the owner is listed: nobody to wake (one who lists itself
+            # now reads the value after listing, so it sees whatever made us drain)
         value = self.value
         broken = self._broken is not None
         with self._lock:
@@ -420,14 +422,19 @@ class Signal:
                 self._waiters.pop(waiter, None)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        self._register(waiter)
         try:
-            while not self._outcome(target):
+            while True:
+                owner = self._claim(waiter)  # listed before the value is read
+                if self._outcome(target):
+                    break
                 yielded = True
-                if self._claim(waiter):
-                    await trio.lowlevel.wait_readable(self._fd)
-                    self._drain()
-                    continue
+                if owner:  # an owner stays one until it leaves: drain until done
+                    while True:
+                        await trio.lowlevel.wait_readable(self._fd)
+                        self._drain()
+                        if self._outcome(target):
+                            break
+                    break
                 waiter.parked = True
                 try:
                     await trio.lowlevel.wait_task_rescheduled(abort)
@@ -450,16 +457,19 @@ class Signal:
         target = _check_target(value)
         if timeout is not None and not timeout >= 0:
             raise InvalidCommand(f"'timeout' must be >= 0 or None (got {timeout})")
-        deadline = None if timeout is None else time.monotonic() + timeout
         if self.value >= target:
             return
         if self._closed:
             self._raise_broken()
+        deadline = None if timeout is None else time.monotonic() + timeout
         waiter = Waiter(target, trio_task=False)
-        self._register(waiter)
-        poller: select.poll | None = None
         try:
-            while not self._outcome(target):
+            owner = False
+            while True:
+                if not owner:
+                    owner = self._claim(waiter)  # listed before the value is read
+                if self._outcome(target):
+                    break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     now = self.value
@@ -470,9 +480,11 @@ class Signal:
                         expected=target,
                         seen=now,
                     )
-                if self._claim(waiter):
+                if owner:  # an owner stays one until it leaves
+                    # Only the owner polls, so one poll object serves every thread in turn.
+                    poller = self._poller
                     if poller is None:
-                        poller = select.poll()
+                        poller = self._poller = select.poll()
                         poller.register(self._fd, select.POLLIN)
                     ms = -1 if remaining is None else max(1, math.ceil(remaining * 1000))
                     if poller.poll(ms):

@@ -52,17 +52,23 @@ import trio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
-from hcqa.errors import DeviceFault, InvalidCommand
+from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
 from hcqa.ipc import PeerGone, check_peer, offer_signal, recv_message, send_message
 from hcqa.pipeline import check_input
 from hcqa.signals import Signal
 
 __all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipeline"]
 
-# Items up to this size are copied in and out on the caller's task: at most ~3 us of
-# memcpy, less than one hop to the copy engine and back. This is the one place the
-# event loop copies; anything larger goes through the copy engine.
+# How an item gets into its input slot and out of its output slot (the one place the
+# event loop copies). A hop to the copy engine's thread and back costs ~100-200 us on
+# 2 vCPUs, and a checkpoint ~10 us, so:
+# * up to INLINE_COPY: one memcpy on the caller's task (a few us);
+# * up to STEPPED_COPY: memcpys of COPY_STEP bytes on the caller's task, a checkpoint
+#   between them, so the loop never stalls longer than one step (~25-50 us);
+# * larger: the copy engine, where the copy itself outweighs the hop.
 INLINE_COPY = 64 << 10
+STEPPED_COPY = 8 << 20
+COPY_STEP = 1 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -122,6 +128,11 @@ class ProcessPipeline:
         self.signals: dict[str, Signal] = {"fed": Signal(name="fed")}
         for i in range(len(self.stages)):
             self.signals[f"done{i}"] = Signal(name=f"done{i}")
+        self._fed_signal = self.signals["fed"]
+        self._last = self.signals[f"done{len(self.stages) - 1}"]
+        # the slots as arrays: the first stage's inputs, the last stage's outputs
+        self._inputs = [b._kernel_array() for b in self.buffers[0]]
+        self._outputs = [b._kernel_array() for b in self.buffers[-1]]
         self.workers: list[_Worker] = []
         self._next = 0
         self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
@@ -219,17 +230,62 @@ class ProcessPipeline:
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one item through every stage process; returns the last stage's output."""
         arr = check_input(x, self.in_shape, self.dtype)
-        async with self.item() as item:
-            if arr.nbytes <= INLINE_COPY:  # a memcpy costs less than a hop to the engine
-                np.copyto(item.input, arr)
+        k, slot = await self._take(fast=True)
+        fed = False
+        try:
+            if arr.nbytes <= INLINE_COPY:
+                np.copyto(self._inputs[slot], arr)
+            elif arr.nbytes <= STEPPED_COPY and arr.flags.c_contiguous:
+                await _copy_in_steps(self._inputs[slot], arr)
             else:
-                await self.buffers[0][item.slot].copyin(arr)
-            view = await item.run()
+                await self.buffers[0][slot].copyin(arr)
+            fed = True
+            self._advance(self._fed, self._fed_signal, k)
+            await self._last._wait_limited(k, None, "")
+            self.completed += 1
+            view = self._outputs[slot]
             if view.nbytes <= INLINE_COPY:
                 return view.copy()
             out = np.empty(view.shape, view.dtype)
-            await self.buffers[-1][item.slot].copyout(out)
+            if view.nbytes <= STEPPED_COPY:
+                await _copy_in_steps(out, view)
+            else:
+                await self.buffers[-1][slot].copyout(out)
             return out
+        finally:
+            self._give(k, slot, fed)
+
+    async def _take(self, *, fast: bool = False) -> tuple[int, int]:
+        """Take the next item number and a slot (waiting for one: backpressure).
+
+        ``fast``: when a slot is free, take it without a schedule point -- for callers
+        that are sure to reach one later (``__call__`` always waits for its item)."""
+        if self.fault is not None:
+            raise self.fault
+        if self._closing:
+            raise DeviceClosed("the process pipeline is closed")
+        if fast:
+            try:
+                self._limit.acquire_nowait()
+            except trio.WouldBlock:
+                await self._limit.acquire()
+        else:
+            await self._limit.acquire()
+        self._next += 1
+        slot = self._free_slots.pop()
+        self._table[self._next % self.depth] = slot
+        return self._next, slot
+
+    def _give(self, k: int, slot: int, fed: bool) -> None:
+        """Item ``k`` is over: pass it on if it was never fed, and free its slot.
+
+        The slot goes back to the pool at once: every stage handles items in order, so
+        the next item in this slot is written after this one is read -- and if this item
+        was abandoned midway, only its own (dropped) data is overwritten."""
+        if not fed:
+            self._advance(self._fed, self._fed_signal, k)
+        self._free_slots.append(slot)
+        self._limit.release()
 
     @asynccontextmanager
     async def item(self) -> AsyncIterator[PipelineItem]:
@@ -239,34 +295,26 @@ class ProcessPipeline:
         Takes one of the ``depth`` slots for the block (backpressure). Items run in the
         order they were taken; one whose block is left without ``run()`` is passed through
         the stages with whatever its input slot holds, and its output is dropped."""
-        if self.fault is not None:
-            raise self.fault
-        async with self._limit:
-            self._next += 1
-            slot = self._free_slots.pop()
-            self._table[self._next % self.depth] = slot
-            item = PipelineItem(self, self._next, slot)
-            try:
-                yield item
-            finally:
-                if not item.fed:
-                    self._advance(self._fed, "fed", item.number)
-                item.done = True
-                # Back to the pool at once: every stage handles items in order, so the
-                # next item in this slot is written after this one is read -- and if this
-                # item was abandoned midway, only its own (dropped) data is overwritten.
-                self._free_slots.append(slot)
+        k, slot = await self._take()
+        item = PipelineItem(self, k, slot)
+        try:
+            yield item
+        finally:
+            item.done = True
+            self._give(k, slot, item.fed)
 
-    def _advance(self, ready: set[int], name: str, k: int) -> None:
-        """Mark item ``k``; the signal ``name`` moves over the prefix of marked items."""
-        ready.add(k)
-        sig = self.signals[name]
+    def _advance(self, ready: set[int], sig: Signal, k: int) -> None:
+        """Mark item ``k``; the signal ``sig`` moves over the prefix of marked items."""
         v = sig.value
+        if k == v + 1 and not ready:  # in order: the common case
+            sig._set_from_engine(k)
+            return
+        ready.add(k)
         while v + 1 in ready:
             v += 1
             ready.discard(v)
         if v != sig.value:
-            sig.value = v
+            sig._set_from_engine(v)
 
 
 class PipelineItem:
@@ -283,7 +331,7 @@ class PipelineItem:
     def input(self) -> npt.NDArray[Any]:
         """The input slot, to fill in place before :meth:`run`."""
         self._check()
-        return self.pipe.buffers[0][self.slot]._kernel_array()
+        return self.pipe._inputs[self.slot]
 
     async def run(self) -> npt.NDArray[Any]:
         """Hand the input to the first stage; returns a view of the last stage's output."""
@@ -292,14 +340,25 @@ class PipelineItem:
             raise InvalidCommand(f"item {self.number} was already run")
         self.fed = True
         pipe = self.pipe
-        pipe._advance(pipe._fed, "fed", self.number)
-        await pipe.signals[f"done{len(pipe.stages) - 1}"].wait(self.number)
+        pipe._advance(pipe._fed, pipe._fed_signal, self.number)
+        await pipe._last.wait(self.number)
         pipe.completed += 1
-        return pipe.buffers[-1][self.slot]._kernel_array()
+        return pipe._outputs[self.slot]
 
     def _check(self) -> None:
         if self.done:
             raise InvalidCommand(f"item {self.number}'s slot was released (its block ended)")
+
+
+async def _copy_in_steps(dest: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """``dest[...] = src`` (both C-contiguous) on this task, COPY_STEP bytes at a time
+    with a checkpoint between steps. Cancelled midway, ``dest`` is left partly written."""
+    d, s = dest.reshape(-1), src.reshape(-1)
+    step = max(1, COPY_STEP // s.itemsize)
+    for i in range(0, s.size, step):
+        if i:
+            await trio.lowlevel.checkpoint()
+        np.copyto(d[i : i + step], s[i : i + step])
 
 
 async def _spawn(index: int, blas_threads: int | None) -> tuple[_Worker, socket.socket]:
@@ -373,6 +432,7 @@ async def open_process_pipeline(
                     for b in row:
                         b._array = None
                 pipe.buffers = []
+                pipe._inputs, pipe._outputs = [], []
                 pipe.slot_table._array = None
                 pipe._table = np.empty(0, np.int64)
             if error is not None:
