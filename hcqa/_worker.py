@@ -60,7 +60,7 @@ async def _worker_main(fd: int) -> None:
     except Exception as exc:
         await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
-    depth = int(header["depth"])
+    n_in, n_out, column = int(header["inputs"]), int(header["outputs"]), int(header["column"])
 
     class _Stop(Exception):
         pass
@@ -91,12 +91,14 @@ async def _worker_main(fd: int) -> None:
             for name, pfd in zip(peers["names"], pfds, strict=True):
                 by_name[name].add_peer(pfd)
             inp, done = sigs
-            ins = [b._kernel_array() for b in buffers[:depth]]
-            outs = [b._kernel_array() for b in buffers[depth : 2 * depth]]
-            table = buffers[2 * depth]._kernel_array()
+            ins = [b._kernel_array() for b in buffers[:n_in]]
+            outs = [b._kernel_array() for b in buffers[n_in : n_in + n_out]]
+            table = buffers[n_in + n_out]._kernel_array()
 
             async def engine() -> None:
-                error = await trio.to_thread.run_sync(_stage_loop, fn, ins, outs, table, inp, done)
+                error = await trio.to_thread.run_sync(
+                    _stage_loop, fn, ins, outs, table, column, inp, done
+                )
                 if error is not None:
                     text = f"{type(error).__name__}: {error}"
                     with contextlib.suppress(PeerGone, OSError):
@@ -125,21 +127,24 @@ def _stage_loop(
     ins: list[npt.NDArray[Any]],
     outs: list[npt.NDArray[Any]],
     table: npt.NDArray[Any],
+    column: int,
     inp: Signal,
     done: Signal,
 ) -> BaseException | None:
     """The worker's engine thread: item after item, sleeping on the signals' eventfds.
 
-    Returns None when stopped (the signals were broken), or the stage's error."""
+    Item ``k`` reads input slot ``table[k % depth, 0]`` and writes output slot
+    ``table[k % depth, column]`` (the last stage may write a loan slot). Returns None
+    when stopped (the signals were broken), or the stage's error."""
     depth = len(table)
     k = 0
     try:
         while True:
             k += 1
-            inp.wait_sync(k)  # item k's input is in place, and its slot in the table
-            slot = int(table[k % depth])
-            fn(outs[slot], ins[slot])
-            done.value = k
+            inp.wait_sync(k)  # item k's input is in place, and its slots in the table
+            i = k % depth
+            fn(outs[int(table[i, column])], ins[int(table[i, 0])])
+            done._set_from_engine(k)
     except DeviceClosed:
         return None
     except BaseException as exc:

@@ -26,6 +26,14 @@ after another reuse the slot still in the caches. A slot goes back as soon as it
 is released: every stage handles items in order, so the next item in that slot is
 written only after this one was read.
 
+Getting an item in and out (``await pipe(x)``) is the one place the coordinator's
+loop copies: small items in one memcpy, items up to 8 MiB in 1 MiB steps with a
+checkpoint between (a hop to the copy engine's thread and back costs more than such a
+copy), larger ones through the copy engine. Outputs over 64 KiB are not copied out
+while a *loan* slot is free: the last stage writes the item straight into a loan slot
+(the slot table names it) and the caller gets an array over it, whose slot comes back
+when that array and every view of it are collected.
+
 A worker that dies closes its socket and exits (trio waits on its pidfd): the
 coordinator's watchers break the pipeline's signals with a
 :class:`~hcqa.errors.DeviceFault`, so callers fail fast instead of hanging; a stage that
@@ -37,9 +45,9 @@ fill the input slot in place, read the output as a view until the block ends.
 
 from __future__ import annotations
 
+import math
 import os
-import socket
-import sys
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -53,7 +61,15 @@ from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
 from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
-from hcqa.ipc import PeerGone, check_peer, offer_signal, recv_message, send_message
+from hcqa.ipc import (
+    PeerGone,
+    WorkerProcess,
+    offer_signal,
+    recv_message,
+    send_message,
+    spawn_worker,
+    stop_workers,
+)
 from hcqa.pipeline import check_input
 from hcqa.signals import Signal
 
@@ -69,6 +85,11 @@ __all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipe
 INLINE_COPY = 64 << 10
 STEPPED_COPY = 8 << 20
 COPY_STEP = 1 << 20
+# Outputs over INLINE_COPY are not copied out at all while a *loan* slot is free:
+# ``await pipe(x)`` returns an array over the slot itself, and the slot comes back when
+# that array (and every view of it) is collected. Up to ``depth`` loan slots, and at
+# most this many bytes of them (but always one).
+LOAN_BUDGET = 64 << 20
 
 
 @attrs.frozen(kw_only=True)
@@ -83,14 +104,6 @@ class ProcessStage:
     out_shape: tuple[int, ...] | None = None
     out_dtype: str | None = None
     args: dict[str, Any] | None = None
-
-
-@attrs.define(eq=False)
-class _Worker:
-    index: int
-    process: trio.Process
-    sock: trio.socket.SocketType
-    pid: int = 0
 
 
 class ProcessPipeline:
@@ -116,15 +129,25 @@ class ProcessPipeline:
             self.shapes.append(
                 (tuple(s.out_shape) if s.out_shape else shape, np.dtype(s.out_dtype or dt))
             )
-        # buffers[j][slot]: the input of stage j (j = len(stages): the final output)
+        out_shape, out_dtype = self.shapes[-1]
+        out_nbytes = math.prod(out_shape) * out_dtype.itemsize
+        self.loans = (
+            0 if out_nbytes <= INLINE_COPY else min(depth, max(1, LOAN_BUDGET // out_nbytes))
+        )
+        # buffers[j][slot]: the input of stage j (j = len(stages): the final output,
+        # whose row also holds the loan slots, depth ... depth + loans - 1)
+        rows = [depth] * (len(self.shapes) - 1) + [depth + self.loans]
         self.buffers: list[list[Buffer]] = [
-            [device.alloc(shape=shape, dtype=dt, shared=True) for _ in range(depth)]
-            for shape, dt in self.shapes
+            [device.alloc(shape=shape, dtype=dt, shared=True) for _ in range(n)]
+            for (shape, dt), n in zip(self.shapes, rows, strict=True)
         ]
-        # slot_table[k % depth]: the slot of item k, written before ``fed`` reaches k
-        self.slot_table = device.alloc(shape=(depth,), dtype="int64", shared=True)
+        # slot_table[k % depth] = (slot, output slot) of item k, written before ``fed``
+        # reaches k; the output slot is the slot itself or a loan (last stage only)
+        self.slot_table = device.alloc(shape=(depth, 2), dtype="int64", shared=True)
         self._table = self.slot_table._kernel_array()
         self._free_slots = list(range(depth))  # LIFO: the warmest slot goes next
+        self._free_loans = list(range(depth, depth + self.loans))
+        self.loaned = 0  # outputs handed out without a copy
         self.signals: dict[str, Signal] = {"fed": Signal(name="fed")}
         for i in range(len(self.stages)):
             self.signals[f"done{i}"] = Signal(name=f"done{i}")
@@ -133,7 +156,7 @@ class ProcessPipeline:
         # the slots as arrays: the first stage's inputs, the last stage's outputs
         self._inputs = [b._kernel_array() for b in self.buffers[0]]
         self._outputs = [b._kernel_array() for b in self.buffers[-1]]
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerProcess] = []
         self._next = 0
         self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
         self._limit = trio.Semaphore(depth)
@@ -143,7 +166,7 @@ class ProcessPipeline:
     def _stage_signals(self, i: int) -> list[str]:
         return ["fed" if i == 0 else f"done{i - 1}", f"done{i}"]
 
-    async def _connect(self, worker: _Worker) -> list[int]:
+    async def _connect(self, worker: WorkerProcess) -> list[int]:
         """Phase 1: hand the worker its buffers and signals; returns its eventfds."""
         i = worker.index
         fds: list[int] = []
@@ -161,7 +184,9 @@ class ProcessPipeline:
             "op": "setup",
             "stage": self.stages[i].fn,
             "args": self.stages[i].args,
-            "depth": self.depth,
+            "inputs": len(self.buffers[i]),
+            "outputs": len(self.buffers[i + 1]),
+            "column": 1 if i == len(self.stages) - 1 else 0,  # of the slot table
             "buffers": bufs,
             "signals": sigs,
         }
@@ -192,7 +217,7 @@ class ProcessPipeline:
                         names.append(name)
             await send_message(w.sock, {"op": "peers", "names": names}, send)
 
-    async def _watch(self, worker: _Worker) -> None:
+    async def _watch(self, worker: WorkerProcess) -> None:
         """Turn a worker's death (its socket closing) into a fault, never a hang."""
         what = "died: its socket closed"
         try:
@@ -207,13 +232,13 @@ class ProcessPipeline:
             pass
         self._fail(worker, what)
 
-    async def _watch_exit(self, worker: _Worker) -> None:
+    async def _watch_exit(self, worker: WorkerProcess) -> None:
         """The process's own exit (trio waits on a pidfd): caught even if the socket
         somehow stays open."""
         code = await worker.process.wait()
         self._fail(worker, f"exited with status {code}")
 
-    def _fail(self, worker: _Worker, what: str) -> None:
+    def _fail(self, worker: WorkerProcess, what: str) -> None:
         if self._closing or self.fault is not None:
             return
         fault = DeviceFault(
@@ -230,8 +255,8 @@ class ProcessPipeline:
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one item through every stage process; returns the last stage's output."""
         arr = check_input(x, self.in_shape, self.dtype)
-        k, slot = await self._take(fast=True)
-        fed = False
+        k, slot, oslot = await self._take(fast=True, loan=True)
+        fed = lent = False
         try:
             if arr.nbytes <= INLINE_COPY:
                 np.copyto(self._inputs[slot], arr)
@@ -243,6 +268,9 @@ class ProcessPipeline:
             self._advance(self._fed, self._fed_signal, k)
             await self._last._wait_limited(k, None, "")
             self.completed += 1
+            if oslot != slot:
+                lent = True
+                return self._lend(oslot)
             view = self._outputs[slot]
             if view.nbytes <= INLINE_COPY:
                 return view.copy()
@@ -254,9 +282,22 @@ class ProcessPipeline:
             return out
         finally:
             self._give(k, slot, fed)
+            if oslot != slot and not lent:
+                self._free_loans.append(oslot)
 
-    async def _take(self, *, fast: bool = False) -> tuple[int, int]:
-        """Take the next item number and a slot (waiting for one: backpressure).
+    def _lend(self, oslot: int) -> npt.NDArray[Any]:
+        """The output in loan slot ``oslot`` as an array of its own; the slot goes back to
+        the pool once that array and every view of it are collected (any thread)."""
+        buf = self.buffers[-1][oslot]
+        anchor = buf._mem.anchor(buf.offset, buf.nbytes)
+        weakref.finalize(anchor, self._free_loans.append, oslot)
+        self.loaned += 1
+        shape, dtype = self.shapes[-1]
+        return np.frombuffer(memoryview(anchor), dtype).reshape(shape)
+
+    async def _take(self, *, fast: bool = False, loan: bool = False) -> tuple[int, int, int]:
+        """Take the next item number, a slot (waiting for one: backpressure) and its
+        output slot: a free loan slot if ``loan``, else the slot itself.
 
         ``fast``: when a slot is free, take it without a schedule point -- for callers
         that are sure to reach one later (``__call__`` always waits for its item)."""
@@ -273,8 +314,10 @@ class ProcessPipeline:
             await self._limit.acquire()
         self._next += 1
         slot = self._free_slots.pop()
-        self._table[self._next % self.depth] = slot
-        return self._next, slot
+        oslot = self._free_loans.pop() if loan and self._free_loans else slot
+        row = self._table[self._next % self.depth]
+        row[0], row[1] = slot, oslot
+        return self._next, slot, oslot
 
     def _give(self, k: int, slot: int, fed: bool) -> None:
         """Item ``k`` is over: pass it on if it was never fed, and free its slot.
@@ -295,7 +338,7 @@ class ProcessPipeline:
         Takes one of the ``depth`` slots for the block (backpressure). Items run in the
         order they were taken; one whose block is left without ``run()`` is passed through
         the stages with whatever its input slot holds, and its output is dropped."""
-        k, slot = await self._take()
+        k, slot, _ = await self._take()
         item = PipelineItem(self, k, slot)
         try:
             yield item
@@ -361,26 +404,6 @@ async def _copy_in_steps(dest: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
         np.copyto(d[i : i + step], s[i : i + step])
 
 
-async def _spawn(index: int, blas_threads: int | None) -> tuple[_Worker, socket.socket]:
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = dict(os.environ)
-    if blas_threads is not None:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = str(blas_threads)
-    try:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "hcqa._worker", str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            env=env,
-        )
-    finally:
-        child.close()
-    sock = trio.socket.from_stdlib_socket(parent)
-    check_peer(sock)
-    worker = _Worker(index=index, process=process, sock=sock, pid=process.pid)
-    return worker, parent
-
-
 @asynccontextmanager
 async def open_process_pipeline(
     stages: Sequence[ProcessStage | str],
@@ -409,7 +432,7 @@ async def open_process_pipeline(
                 async with trio.open_nursery() as nursery:
                     try:
                         for i in range(len(specs)):
-                            worker, _ = await _spawn(i, blas_threads)
+                            worker = await spawn_worker(i, blas_threads)
                             pipe.workers.append(worker)
                         eventfds = [await pipe._connect(w) for w in pipe.workers]
                         await pipe._mesh(eventfds)
@@ -421,7 +444,7 @@ async def open_process_pipeline(
                         error = exc
                     pipe._closing = True
                     with trio.CancelScope(shield=True):
-                        await _stop(pipe, grace)
+                        await stop_workers(pipe.workers, grace)
                     nursery.cancel_scope.cancel()
             finally:
                 for w in pipe.workers:
@@ -443,20 +466,6 @@ async def open_process_pipeline(
         if pipe is not None:
             for sig in pipe.signals.values():
                 sig.close()
-
-
-async def _stop(pipe: ProcessPipeline, grace: float) -> None:
-    for w in pipe.workers:
-        try:
-            await send_message(w.sock, {"op": "stop"})
-        except (PeerGone, OSError):
-            pass
-    for w in pipe.workers:
-        with trio.move_on_after(grace):
-            await w.process.wait()
-        if w.process.returncode is None:
-            w.process.kill()
-            await w.process.wait()
 
 
 def identity(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:

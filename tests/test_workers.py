@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import signal as os_signal
@@ -285,3 +286,42 @@ async def test_a_closed_process_pipeline_refuses_items() -> None:
         np.testing.assert_array_equal(await pipe(np.ones(4, np.float32)), np.ones(4))
     with pytest.raises(hcqa.DeviceClosed, match="closed"):
         await pipe(np.ones(4, np.float32))
+
+
+async def test_large_outputs_are_lent_not_copied_and_never_overwritten_while_held() -> None:
+    n = (256 << 10) // 4  # 256 KiB outputs: over the inline copy, so lent
+    x = np.arange(n, dtype=np.float32)
+    async with open_process_pipeline(
+        ["hcqa.workers:add_one", "hcqa.workers:add_one"], in_shape=(n,), depth=2
+    ) as pipe:
+        assert pipe.loans == 2
+        with trio.fail_after(30):
+            a = await pipe(x)
+            b = await pipe(x + 10)
+            assert pipe.loaned == 2
+            view = b[5:]  # a view keeps its slot held after the array itself is gone
+            del b
+            gc.collect()
+            held = [await pipe(x + 100 + i) for i in range(6)]  # no loan free: copies
+            assert pipe.loaned == 2
+            np.testing.assert_array_equal(a, x + 2)  # neither was overwritten
+            np.testing.assert_array_equal(view, x[5:] + 12)
+            for i, y in enumerate(held):
+                np.testing.assert_array_equal(y, x + 102 + i)
+            del a, view
+            gc.collect()
+            c = await pipe(x)  # a slot came back: lent again
+            assert pipe.loaned == 3
+            np.testing.assert_array_equal(c, x + 2)
+            # a caller cancelled while it waits gives its loan back
+            with trio.move_on_after(0):
+                await pipe(x)
+            d = await pipe(x + 1)
+            assert pipe.loaned == 4
+            np.testing.assert_array_equal(d, x + 3)
+    # a lent array outlives the pipeline: its mapping stays until the array goes
+    np.testing.assert_array_equal(c, x + 2)
+    c[:] = 0
+    assert float(c.sum()) == 0.0
+    del c, d
+    gc.collect()

@@ -153,6 +153,19 @@ class HostMemory:
             )
         return np.frombuffer(self._mm, dtype=dt, count=self._nbytes // dt.itemsize)
 
+    def anchor(self, offset: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
+        """A new object exporting ``nbytes`` bytes at ``offset`` (no copy).
+
+        Arrays built on it keep the mapping alive, even past :meth:`close`, and it can
+        be watched with ``weakref.finalize``: it dies with the last array over it."""
+        if self._mm is None:
+            raise InvalidCommand(f"host memory at {self._address:#x} is closed")
+        if offset < 0 or offset + nbytes > self._capacity:
+            raise InvalidCommand(
+                f"'offset + nbytes' must be <= {self._capacity} (got {offset} + {nbytes})"
+            )
+        return (ctypes.c_char * nbytes).from_buffer(self._mm, offset)
+
     def close(self) -> None:
         """Unmap now, or when the last surviving view is collected. Idempotent; never raises."""
         mm, self._mm = self._mm, None
