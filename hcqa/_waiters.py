@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 
+import outcome
 import trio
 
 __all__ = ["DONE", "OWN", "State", "Waiter"]
@@ -59,3 +60,25 @@ class Waiter:
         whoever wakes the waiter finds it."""
         if self.task is None and self.lock is None:
             self.lock = threading.Semaphore(0)
+
+    def deliver(self) -> None:
+        """Wake the waiter (its state and ``msg`` are set, under the signal's lock)."""
+        if self.task is not None:
+            assert self.token is not None
+            if self.thread == threading.get_ident():
+                self._wake_task()
+            else:
+                try:
+                    self.token.run_sync_soon(self._wake_task)
+                except trio.RunFinishedError:
+                    pass  # that run is gone, and its task with it
+        else:
+            assert self.lock is not None
+            self.lock.release()
+
+    def _wake_task(self) -> None:
+        """In the waiter's trio thread: reschedule it if it is (still) parked."""
+        if self.parked:
+            self.parked = False
+            assert self.task is not None
+            trio.lowlevel.reschedule(self.task, outcome.Value(self.msg))

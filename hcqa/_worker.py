@@ -141,7 +141,7 @@ def _stage_loop(
     try:
         while True:
             k += 1
-            inp.wait_sync(k)  # item k's input is in place, and its slots in the table
+            inp._wait_alone(k)  # item k's input is in place, and its slots in the table
             i = k % depth
             fn(outs[int(table[i, column])], ins[int(table[i, 0])])
             done._set_from_engine(k)

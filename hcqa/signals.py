@@ -43,7 +43,6 @@ import weakref
 from typing import Any
 
 import attrs
-import outcome
 import trio
 
 from hcqa._slots import PAGE, SLOT, Page, pool
@@ -152,6 +151,7 @@ class Signal:
         self._waiters: dict[Waiter, None] = {}
         self._owner: Waiter | None = None
         self._poller: Any = None  # the owning thread's select.poll, kept across waits
+        self._alone = False  # a thread waits with _wait_alone: always write the eventfd
         self._broken: BaseException | None = None
         self._closed = False
         self._final = 0
@@ -181,7 +181,7 @@ class Signal:
         if self._closed:
             return
         self._value.value = value
-        if self._waiters or _forked:
+        if self._waiters or _forked or self._alone:
             os.eventfd_write(self._fd, 1)
         for peer in self._peers:
             os.eventfd_write(peer, 1)
@@ -312,7 +312,7 @@ class Signal:
                         break
             last = self._closed and self._owner is None and not self._waiters
         if heir is not None:
-            self._deliver(heir)
+            heir.deliver()
         if last:
             self._finalize()
 
@@ -339,30 +339,7 @@ class Signal:
                 w.state, w.msg = State.WOKEN, DONE
                 del self._waiters[w]
         for w in done:
-            self._deliver(w)
-
-    @staticmethod
-    def _wake_task(w: Waiter) -> None:
-        """In the waiter's trio thread: reschedule it if it is (still) parked."""
-        if w.parked:
-            w.parked = False
-            assert w.task is not None
-            trio.lowlevel.reschedule(w.task, outcome.Value(w.msg))
-
-    @classmethod
-    def _deliver(cls, w: Waiter) -> None:
-        if w.task is not None:
-            assert w.token is not None
-            if w.thread == threading.get_ident():
-                cls._wake_task(w)
-            else:
-                try:
-                    w.token.run_sync_soon(cls._wake_task, w)
-                except trio.RunFinishedError:
-                    pass  # that run is gone, and its task with it
-        else:
-            assert w.lock is not None
-            w.lock.release()
+            w.deliver()
 
     # -- waiting from trio ------------------------------------------------------------------
 
@@ -496,3 +473,24 @@ class Signal:
             self._unregister(waiter)
         if self.value < target:
             self._raise_broken()
+
+    def _wait_alone(self, target: int) -> None:
+        """``wait_sync`` for a thread that is this signal's only waiter in its process
+        (a worker's stage thread): it drains the eventfd itself, with none of the
+        parking lot's bookkeeping. Marked ``_alone``, the signal has producers in this
+        process write the eventfd too (as for a listed waiter, the mark comes before the
+        value is read); :meth:`_break` ends the wait with its error."""
+        self._alone = True
+        value = self._value
+        while value.value < target:
+            if self._broken is not None:
+                self._raise_broken()
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = select.poll()
+                poller.register(self._fd, select.POLLIN)
+            poller.poll()
+            try:
+                os.eventfd_read(self._fd)
+            except BlockingIOError:
+                pass

@@ -1256,3 +1256,32 @@ async def test_thread_owner_never_reschedules_a_task_that_is_not_parked() -> Non
         sig.value = 100
         await ajoin(owner)
     assert spurious == [False]
+
+
+def test_a_sole_thread_waiter_is_woken_by_producers_here_and_ended_by_a_break() -> None:
+    """``_wait_alone`` (a process worker's stage thread) skips the parking lot: values
+    set by a thread of this process still wake it, and a break ends it with the error."""
+    sig = Signal(1)
+    sig._wait_alone(1)  # reached: returns at once
+    got: queue.Queue[int | BaseException] = queue.Queue()
+
+    def waiter() -> None:
+        try:
+            for v in range(2, 52):
+                sig._wait_alone(v)
+                got.put(v)
+            sig._wait_alone(100)
+        except DeviceClosed as exc:
+            got.put(exc)
+
+    thread = spawn(waiter)
+    try:
+        for v in range(2, 52):
+            sig.value = v  # the waiter may be asleep or not yet waiting: both must work
+            assert got.get(timeout=5) == v  # a lost wake-up times out here
+    finally:
+        sig._break(DeviceClosed("stopping"))  # ends the last wait (or a stuck one)
+        join(thread)
+    end = got.get(timeout=5)
+    assert isinstance(end, DeviceClosed) and "stopping" in str(end)
+    sig.close()
