@@ -25,7 +25,12 @@ from hcqa.queue import Queue
 from hcqa.signals import Fence, Signal, SignalStatistics
 from hcqa.trace import Tracer
 from hcqa.variables import Variable
-from hcqa.workers import ProcessPipeline, ProcessStage, open_process_pipeline
+from hcqa.workers import (
+    ProcessPipeline,
+    ProcessPipelineStatistics,
+    ProcessStage,
+    open_process_pipeline,
+)
 
 __version__ = "0.1.0"
 
@@ -45,6 +50,7 @@ __all__ = [
     "Pipeline",
     "PipelineStatistics",
     "ProcessPipeline",
+    "ProcessPipelineStatistics",
     "ProcessStage",
     "Program",
     "Queue",

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -57,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from hcqa import _items
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
@@ -73,23 +73,28 @@ from hcqa.ipc import (
 from hcqa.pipeline import check_input
 from hcqa.signals import Signal
 
-__all__ = ["PipelineItem", "ProcessPipeline", "ProcessStage", "open_process_pipeline"]
+__all__ = [
+    "PipelineItem",
+    "ProcessPipeline",
+    "ProcessPipelineStatistics",
+    "ProcessStage",
+    "open_process_pipeline",
+]
 
-# How an item gets into its input slot and out of its output slot (the one place the
-# event loop copies). A hop to the copy engine's thread and back costs ~100-200 us on
-# 2 vCPUs, and a checkpoint ~10 us, so:
-# * up to INLINE_COPY: one memcpy on the caller's task (a few us);
-# * up to STEPPED_COPY: memcpys of COPY_STEP bytes on the caller's task, a checkpoint
-#   between them, so the loop never stalls longer than one step (~25-50 us);
-# * larger: the copy engine, where the copy itself outweighs the hop.
-INLINE_COPY = 64 << 10
-STEPPED_COPY = 8 << 20
-COPY_STEP = 1 << 20
-# Outputs over INLINE_COPY are not copied out at all while a *loan* slot is free:
-# ``await pipe(x)`` returns an array over the slot itself, and the slot comes back when
-# that array (and every view of it) is collected. Up to ``depth`` loan slots, and at
-# most this many bytes of them (but always one).
-LOAN_BUDGET = 64 << 20
+
+@attrs.frozen(kw_only=True)
+class ProcessPipelineStatistics:
+    """What :meth:`ProcessPipeline.statistics` reports."""
+
+    stages: int
+    depth: int
+    in_flight: int  # slots taken by callers now
+    completed: int
+    loans: int  # spare output slots for lent results
+    lent: int  # of those, held by results now
+    loaned: int  # results lent so far
+    workers: tuple[int, ...]  # their pids
+    faulted: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -131,9 +136,9 @@ class ProcessPipeline:
             )
         out_shape, out_dtype = self.shapes[-1]
         out_nbytes = math.prod(out_shape) * out_dtype.itemsize
-        self.loans = (
-            0 if out_nbytes <= INLINE_COPY else min(depth, max(1, LOAN_BUDGET // out_nbytes))
-        )
+        self.loans = 0  # spare output slots for lent results: up to depth, within budget
+        if out_nbytes > _items.INLINE_COPY:
+            self.loans = min(depth, max(1, _items.LOAN_BUDGET // out_nbytes))
         # buffers[j][slot]: the input of stage j (j = len(stages): the final output,
         # whose row also holds the loan slots, depth ... depth + loans - 1)
         rows = [depth] * (len(self.shapes) - 1) + [depth + self.loans]
@@ -162,6 +167,24 @@ class ProcessPipeline:
         self._limit = trio.Semaphore(depth)
         self.fault: DeviceFault | None = None
         self.completed = 0
+
+    def statistics(self) -> ProcessPipelineStatistics:
+        """A frozen snapshot: slots in use, items completed, loans held, worker pids."""
+        return ProcessPipelineStatistics(
+            stages=len(self.stages),
+            depth=self.depth,
+            in_flight=self.depth - len(self._free_slots),
+            completed=self.completed,
+            loans=self.loans,
+            lent=self.loans - len(self._free_loans),
+            loaned=self.loaned,
+            workers=tuple(w.pid for w in self.workers),
+            faulted=self.fault is not None,
+        )
+
+    def __repr__(self) -> str:
+        names = " -> ".join(s.fn for s in self.stages)
+        return f"<ProcessPipeline {names} depth={self.depth}>"
 
     def _stage_signals(self, i: int) -> list[str]:
         return ["fed" if i == 0 else f"done{i - 1}", f"done{i}"]
@@ -258,10 +281,10 @@ class ProcessPipeline:
         k, slot, oslot = await self._take(fast=True, loan=True)
         fed = lent = False
         try:
-            if arr.nbytes <= INLINE_COPY:
+            if arr.nbytes <= _items.INLINE_COPY:
                 np.copyto(self._inputs[slot], arr)
-            elif arr.nbytes <= STEPPED_COPY and arr.flags.c_contiguous:
-                await _copy_in_steps(self._inputs[slot], arr)
+            elif arr.nbytes <= _items.STEPPED_COPY and arr.flags.c_contiguous:
+                await _items.copy_in_steps(self._inputs[slot], arr)
             else:
                 await self.buffers[0][slot].copyin(arr)
             fed = True
@@ -272,11 +295,11 @@ class ProcessPipeline:
                 lent = True
                 return self._lend(oslot)
             view = self._outputs[slot]
-            if view.nbytes <= INLINE_COPY:
+            if view.nbytes <= _items.INLINE_COPY:
                 return view.copy()
             out = np.empty(view.shape, view.dtype)
-            if view.nbytes <= STEPPED_COPY:
-                await _copy_in_steps(out, view)
+            if view.nbytes <= _items.STEPPED_COPY:
+                await _items.copy_in_steps(out, view)
             else:
                 await self.buffers[-1][slot].copyout(out)
             return out
@@ -286,14 +309,9 @@ class ProcessPipeline:
                 self._free_loans.append(oslot)
 
     def _lend(self, oslot: int) -> npt.NDArray[Any]:
-        """The output in loan slot ``oslot`` as an array of its own; the slot goes back to
-        the pool once that array and every view of it are collected (any thread)."""
-        buf = self.buffers[-1][oslot]
-        anchor = buf._mem.anchor(buf.offset, buf.nbytes)
-        weakref.finalize(anchor, self._free_loans.append, oslot)
+        """The output in loan slot ``oslot``, lent: see ``hcqa._items.lend``."""
         self.loaned += 1
-        shape, dtype = self.shapes[-1]
-        return np.frombuffer(memoryview(anchor), dtype).reshape(shape)
+        return _items.lend(self.buffers[-1][oslot], lambda: self._free_loans.append(oslot))
 
     async def _take(self, *, fast: bool = False, loan: bool = False) -> tuple[int, int, int]:
         """Take the next item number, a slot (waiting for one: backpressure) and its
@@ -391,17 +409,6 @@ class PipelineItem:
     def _check(self) -> None:
         if self.done:
             raise InvalidCommand(f"item {self.number}'s slot was released (its block ended)")
-
-
-async def _copy_in_steps(dest: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
-    """``dest[...] = src`` (both C-contiguous) on this task, COPY_STEP bytes at a time
-    with a checkpoint between steps. Cancelled midway, ``dest`` is left partly written."""
-    d, s = dest.reshape(-1), src.reshape(-1)
-    step = max(1, COPY_STEP // s.itemsize)
-    for i in range(0, s.size, step):
-        if i:
-            await trio.lowlevel.checkpoint()
-        np.copyto(d[i : i + step], s[i : i + step])
 
 
 @asynccontextmanager

@@ -235,7 +235,7 @@ async def test_each_copy_path_delivers_every_item_intact(monkeypatch: pytest.Mon
     """Items are copied inline, in steps on the task, or by the copy engine by size:
     all three give each concurrent caller its own result, and a caller cancelled
     midway through a stepped copy neither stalls nor corrupts the items behind it."""
-    import hcqa.workers as workers
+    import hcqa._items as workers
 
     monkeypatch.setattr(workers, "INLINE_COPY", 1 << 10)
     monkeypatch.setattr(workers, "STEPPED_COPY", 64 << 10)
@@ -262,7 +262,7 @@ async def test_each_copy_path_delivers_every_item_intact(monkeypatch: pytest.Mon
 
 
 async def test_stepped_copies_give_the_loop_back_between_steps() -> None:
-    from hcqa.workers import COPY_STEP, _copy_in_steps
+    from hcqa._items import COPY_STEP, copy_in_steps
 
     steps = 0
 
@@ -276,7 +276,7 @@ async def test_stepped_copies_give_the_loop_back_between_steps() -> None:
     dest = np.zeros_like(src)
     trio.lowlevel.add_instrument(CountSteps())
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_copy_in_steps, dest, src, name="copier")
+        nursery.start_soon(copy_in_steps, dest, src, name="copier")
     np.testing.assert_array_equal(dest, src)
     assert steps == 5  # scheduled once, then after each of the 4 checkpoints
 
@@ -312,6 +312,10 @@ async def test_large_outputs_are_lent_not_copied_and_never_overwritten_while_hel
             gc.collect()
             c = await pipe(x)  # a slot came back: lent again
             assert pipe.loaned == 3
+            stats = pipe.statistics()
+            assert (stats.loans, stats.lent, stats.loaned) == (2, 1, 3)
+            assert stats.in_flight == 0 and stats.completed == 9 and not stats.faulted
+            assert stats.workers == tuple(w.pid for w in pipe.workers)
             np.testing.assert_array_equal(c, x + 2)
             # a caller cancelled while it waits gives its loan back
             with trio.move_on_after(0):
@@ -362,3 +366,20 @@ async def test_lent_results_have_the_last_stages_shape_and_dtype() -> None:
     for i, y in enumerate(ys):  # held past the pipeline's end
         assert y.shape == (256, 128) and y.dtype == np.float64
         np.testing.assert_array_equal(y, (x + i).astype(np.float64))
+
+
+async def test_lent_results_survive_a_worker_dying_and_the_pipeline_closing() -> None:
+    n = (256 << 10) // 4
+    x = np.arange(n, dtype=np.float32)
+    with pytest.raises(hcqa.DeviceFault, match="worker 1"):
+        async with open_process_pipeline(
+            ["hcqa.workers:add_one", "hcqa.workers:add_one"], in_shape=(n,), depth=2
+        ) as pipe:
+            with trio.fail_after(20):
+                y = await pipe(x)
+            assert pipe.loaned == 1
+            os.kill(pipe.workers[1].pid, os_signal.SIGKILL)
+            with trio.fail_after(10):
+                await pipe(x)
+    assert pipe.statistics().faulted
+    np.testing.assert_array_equal(y, x + 2)  # the mapping outlived the workers and device
