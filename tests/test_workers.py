@@ -383,3 +383,38 @@ async def test_lent_results_survive_a_worker_dying_and_the_pipeline_closing() ->
                 await pipe(x)
     assert pipe.statistics().faulted
     np.testing.assert_array_equal(y, x + 2)  # the mapping outlived the workers and device
+
+
+_CHILD_TRANSFER = """
+import sys, numpy as np, trio, hcqa
+async def main(fd: int, n: int) -> None:
+    async with hcqa.open_device("cpu:0") as dev:
+        theirs = dev.import_buffer(fd, n * 8, dtype="float64", shape=(n,))
+        mine = dev.alloc(shape=(n,), dtype="float64")
+        await hcqa.transfer(mine, theirs)  # through the copy engine, like any transfer
+        got = np.empty(n)
+        await mine.copyout(got)
+        assert (got == np.arange(n)).all(), got[:4]
+        await mine.copyin(got * 3)
+        await hcqa.transfer(theirs, mine)
+trio.run(main, int(sys.argv[1]), int(sys.argv[2]))
+"""
+
+
+async def test_transfers_with_a_buffer_imported_in_another_process() -> None:
+    n = 1 << 16
+    async with hcqa.open_device("cpu:0") as dev:
+        buf = dev.alloc(shape=(n,), dtype="float64", shared=True)
+        await buf.copyin(np.arange(n, dtype=np.float64))
+        fd, _ = buf.export()
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, "-c", _CHILD_TRANSFER, str(fd), str(n)],
+                pass_fds=(fd,),
+                check=False,
+                capture_stderr=True,
+            )
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        out = np.empty(n)
+        await buf.copyout(out)
+        np.testing.assert_array_equal(out, np.arange(n) * 3.0)
