@@ -458,13 +458,8 @@ class Signal:
                         seen=now,
                     )
                 if owner:  # an owner stays one until it leaves
-                    # Only the owner polls, so one poll object serves every thread in turn.
-                    poller = self._poller
-                    if poller is None:
-                        poller = self._poller = select.poll()
-                        poller.register(self._fd, select.POLLIN)
                     ms = -1 if remaining is None else max(1, math.ceil(remaining * 1000))
-                    if poller.poll(ms):
+                    if self._poll(ms):
                         self._drain()
                     continue
                 assert waiter.lock is not None
@@ -485,12 +480,15 @@ class Signal:
         while value.value < target:
             if self._broken is not None:
                 self._raise_broken()
-            poller = self._poller
-            if poller is None:
-                poller = self._poller = select.poll()
-                poller.register(self._fd, select.POLLIN)
-            poller.poll()
-            try:
-                os.eventfd_read(self._fd)
-            except BlockingIOError:
-                pass
+            self._poll(-1)
+            self._drain()
+
+    def _poll(self, ms: int) -> bool:
+        """A thread that owns the eventfd sleeps on it, up to ``ms`` (-1: no limit); True
+        when it fired. Only the owner polls, so one poll object serves every thread in
+        turn."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(ms))
