@@ -19,7 +19,7 @@ the slot goes back to the pool. A lent array stays valid after the pipeline clos
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,15 @@ import trio
 
 from hcqa.devices.buffer import Buffer
 
-__all__ = ["COPY_STEP", "INLINE_COPY", "LOAN_BUDGET", "STEPPED_COPY", "copy_in_steps", "lend"]
+__all__ = [
+    "COPY_STEP",
+    "INLINE_COPY",
+    "LOAN_BUDGET",
+    "STEPPED_COPY",
+    "copy",
+    "copy_in_steps",
+    "lend",
+]
 
 # An item's input, by size:
 # * up to INLINE_COPY: one memcpy on the caller's task (a few us);
@@ -42,6 +50,19 @@ COPY_STEP = 1 << 20
 # the same way inputs come in): up to ``depth`` spare slots, and at most this many bytes
 # of them (but always one).
 LOAN_BUDGET = 64 << 20
+
+
+async def copy(
+    dest: npt.NDArray[Any], src: npt.NDArray[Any], by_engine: Callable[[], Awaitable[Any]]
+) -> None:
+    """``dest[...] = src`` by the size policy above; ``by_engine()`` makes the same copy
+    on the copy engine (a slot buffer's ``copyin`` / ``copyout``) for the largest items."""
+    if src.nbytes <= INLINE_COPY:
+        np.copyto(dest, src)
+    elif src.nbytes <= STEPPED_COPY and src.flags.c_contiguous:
+        await copy_in_steps(dest, src)
+    else:
+        await by_engine()
 
 
 async def copy_in_steps(dest: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:

@@ -160,7 +160,7 @@ class ProcessPipeline:
         self._last = self.signals[f"done{len(self.stages) - 1}"]
         # the slots as arrays: the first stage's inputs, the last stage's outputs
         self._inputs = [b._kernel_array() for b in self.buffers[0]]
-        self._outputs = [b._kernel_array() for b in self.buffers[-1]]
+        self._outputs = [b._kernel_array() for b in self.buffers[-1][:depth]]
         self.workers: list[WorkerProcess] = []
         self._next = 0
         self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
@@ -281,12 +281,7 @@ class ProcessPipeline:
         k, slot, oslot = await self._take(fast=True, loan=True)
         fed = lent = False
         try:
-            if arr.nbytes <= _items.INLINE_COPY:
-                np.copyto(self._inputs[slot], arr)
-            elif arr.nbytes <= _items.STEPPED_COPY and arr.flags.c_contiguous:
-                await _items.copy_in_steps(self._inputs[slot], arr)
-            else:
-                await self.buffers[0][slot].copyin(arr)
+            await _items.copy(self._inputs[slot], arr, lambda: self.buffers[0][slot].copyin(arr))
             fed = True
             self._advance(self._fed, self._fed_signal, k)
             await self._last._wait_limited(k, None, "")
@@ -295,13 +290,8 @@ class ProcessPipeline:
                 lent = True
                 return self._lend(oslot)
             view = self._outputs[slot]
-            if view.nbytes <= _items.INLINE_COPY:
-                return view.copy()
-            out = np.empty(view.shape, view.dtype)
-            if view.nbytes <= _items.STEPPED_COPY:
-                await _items.copy_in_steps(out, view)
-            else:
-                await self.buffers[-1][slot].copyout(out)
+            out = np.empty_like(view)
+            await _items.copy(out, view, lambda: self.buffers[-1][slot].copyout(out))
             return out
         finally:
             self._give(k, slot, fed)
