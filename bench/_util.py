@@ -1,8 +1,9 @@
-"""Small helpers shared by the benchmarks: percentiles and a markdown table printer."""
+"""Small helpers shared by the benchmarks: percentiles, tables and their footer."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 
@@ -28,6 +29,17 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     out = [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+def print_footer(missing_peer: str | None, lines: Sequence[str], started: float) -> None:
+    """After a bench's table: why its peer is missing (if it is), its verdict lines, and
+    how long it ran (``started``: a ``time.perf_counter()`` reading)."""
+    print()
+    if missing_peer is not None:
+        print(missing_peer)
+    for line in lines:
+        print(line)
+    print(f"\n(ran in {time.perf_counter() - started:.1f} s)")
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

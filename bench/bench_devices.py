@@ -41,7 +41,7 @@ import numpy as np
 import trio
 
 import hcqa
-from bench._util import markdown_table, percentile, run_quick_cli
+from bench._util import markdown_table, percentile, print_footer, run_quick_cli
 
 # -- shared helpers (bench_graph imports these) -------------------------------------------
 
@@ -514,12 +514,7 @@ async def main(quick: bool) -> None:
                 lines += part[1]
     print(header("bench_devices", quick, note))
     print(markdown_table(["section", "case", "p50", "mean", "p90", "rate / ratio"], rows))
-    print()
-    if peer is None:
-        print(why)
-    for line in lines:
-        print(line)
-    print(f"\n(ran in {time.perf_counter() - t_start:.1f} s)")
+    print_footer(why if peer is None else None, lines, t_start)
 
 
 def cli(argv: Sequence[str] | None = None) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import hcqa
-from bench._util import markdown_table, run_quick_cli
+from bench._util import markdown_table, print_footer, run_quick_cli
 from bench.bench_devices import (
     AsyncOp,
     Series,
@@ -150,12 +150,7 @@ async def main(quick: bool) -> None:
             ["case", "N", "p50", "mean", "p90", "per kernel (p50 / N)", "vs eager", "notes"], rows
         )
     )
-    print()
-    if peer is None:
-        print(why)
-    for line in lines:
-        print(line)
-    print(f"\n(ran in {time.perf_counter() - t_start:.1f} s)")
+    print_footer(why if peer is None else None, lines, t_start)
 
 
 def marginal(s: dict[str, Series], key: str, hi: int) -> float:
