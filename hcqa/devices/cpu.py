@@ -54,7 +54,7 @@ class CpuDevice(Device):
 
     def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
         if kind == "compute":
-            return {cmd.Exec: self._exec, cmd.Copy: self._copy, RunC: RunC.__call__}
+            return {cmd.Exec: self._exec, RunC: RunC.__call__}
         return {cmd.Copy: self._copy, cmd.Load: self._load_file}
 
     def _make_program(
@@ -94,11 +94,22 @@ class CpuDevice(Device):
         if not (self._staged(c.src) or self._staged(c.dest)):
             _memmove(c.dest.va_addr, c.src.va_addr, n)
             return
+        src = c.src.va_addr
+        self._through_staging(
+            c.dest.va_addr, n, lambda chunk, offset, size: _memmove(chunk, src + offset, size)
+        )
+
+    def _through_staging(
+        self, dest: int, nbytes: int, fill: Callable[[int, int, int], object]
+    ) -> None:
+        """Move ``nbytes`` to address ``dest`` through the staging ring, a chunk at a time:
+        ``fill(chunk_address, offset, size)`` writes the chunk, then it is copied out.
+        Copy engine only: the ring is plain bookkeeping, with that thread its one user."""
         ring = self.staging
-        for offset, size in ring.split(n):
+        for offset, size in ring.split(nbytes):
             index, chunk, _ = ring.acquire()
-            _memmove(chunk.address, c.src.va_addr + offset, size)
-            _memmove(c.dest.va_addr + offset, chunk.address, size)
+            fill(chunk.address, offset, size)
+            _memmove(dest + offset, chunk.address, size)
             ring.release(index, self._timeline.reserved)
 
     def _load_file(self, c: Any) -> None:
@@ -108,12 +119,13 @@ class CpuDevice(Device):
             if self.host_visible:
                 _read_exactly(fd, _bytes_at(dest.va_addr, c.nbytes), c.offset, c.path)
                 return
-            ring = self.staging
-            for offset, size in ring.split(c.nbytes):
-                index, chunk, _ = ring.acquire()
-                _read_exactly(fd, _bytes_at(chunk.address, size), c.offset + offset, c.path)
-                _memmove(dest.va_addr + offset, chunk.address, size)
-                ring.release(index, self._timeline.reserved)
+            self._through_staging(
+                dest.va_addr,
+                c.nbytes,
+                lambda chunk, offset, size: _read_exactly(
+                    fd, _bytes_at(chunk, size), c.offset + offset, c.path
+                ),
+            )
         finally:
             os.close(fd)
 
