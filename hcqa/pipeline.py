@@ -76,6 +76,8 @@ class _Slot:
     graph: Graph
     inp: Buffer
     out: Buffer
+    # batches one microbatch sends per queue (copy in, the graph's parts, copy out)
+    need: dict[Any, int] = attrs.field(factory=dict)
 
 
 class Pipeline:
@@ -138,7 +140,7 @@ class Pipeline:
         first = self.stages[0].device.alloc(shape=shape, dtype=dtype)
         inp = first
         with capture() as graph:
-            for i, (stage, prog) in enumerate(zip(self.stages, self._programs, strict=True)):
+            for stage, prog in zip(self.stages, self._programs, strict=True):
                 if inp.device is not stage.device:
                     moved = stage.device.alloc(shape=shape, dtype=dtype)
                     transfer(moved, inp)
@@ -148,8 +150,10 @@ class Pipeline:
                 out = stage.device.alloc(shape=shape, dtype=dtype)
                 prog(out, inp, *stage.params)
                 inp = out
-                del i
-        return _Slot(graph=graph, inp=first, out=inp)
+        slot = _Slot(graph=graph, inp=first, out=inp)
+        for a in [first.device.copy, *(p.actor for p in graph._parts), inp.device.copy]:
+            slot.need[a] = slot.need.get(a, 0) + 1
+        return slot
 
     # -- running ---------------------------------------------------------------------
 
@@ -162,23 +166,13 @@ class Pipeline:
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         return check_input(x, self.in_shape, self.dtype)
 
-    def _actors(self, slot: _Slot) -> dict[Any, int]:
-        need: dict[Any, int] = {}
-        for a in [
-            slot.inp.device.copy,
-            *(p.actor for p in slot.graph._parts),
-            slot.out.device.copy,
-        ]:
-            need[a] = need.get(a, 0) + 1
-        return need
-
     async def _run(self, arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """Holds one unit of self._limit; releases it (or hands it to a reclaimer)."""
         slot = self._free.pop()
         handed_off = False
         try:
             while True:
-                short = [a for a, k in self._actors(slot).items() if a.room < k]
+                short = [a for a, k in slot.need.items() if a.room < k]
                 if not short:
                     break
                 await short[0].wait_for_space()

@@ -101,16 +101,20 @@ class Program:
         self.kind = "c" if kernel is not None else "python"
         if kernel is not None:
             self.n_buffers: int | None = kernel.n_buffers
-            self.val_ranges: tuple[tuple[int, int], ...] | None = tuple(
-                _int_range(p.ctype) for p in kernel.params if not p.pointer
+            self.n_vals: int | None = kernel.n_vals
+            # (name, lo, hi) of each val parameter, in order
+            self.val_ranges: tuple[tuple[str, int, int], ...] | None = tuple(
+                (p.name, *_int_range(p.ctype)) for p in kernel.params if not p.pointer
             )
         else:
             assert fn is not None
             self.n_buffers = None
+            self.n_vals = None
             self.val_ranges = None
             self._n_args = _positional_count(fn)
         self.writes = None if writes is None else self._positions("writes", writes)
         self.reads = None if reads is None else self._positions("reads", reads)
+        self._access: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def _positions(self, what: str, positions: Sequence[int]) -> tuple[int, ...]:
         if isinstance(positions, int):
@@ -126,7 +130,14 @@ class Program:
         return out
 
     def access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(written, read) buffer positions for a call with ``n`` buffers."""
+        """(written, read) buffer positions for a call with ``n`` buffers (worked out once
+        per ``n``: every eager call asks)."""
+        known = self._access.get(n)
+        if known is None:
+            known = self._access[n] = self._work_out_access(n)
+        return known
+
+    def _work_out_access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         writes = self.writes if self.writes is not None else ((0,) if n else ())
         if self.reads is not None:
             reads = self.reads
@@ -168,10 +179,10 @@ class Program:
             if not isinstance(v, (int, Variable, Expr)) or isinstance(v, bool):
                 raise TypeError(f"{self.name!r} val {i} must be an int (got {type(v).__name__})")
         if self.kernel is not None:
-            if len(bufs) != self.kernel.n_buffers or len(vals) != self.kernel.n_vals:
+            if len(bufs) != self.n_buffers or len(vals) != self.n_vals:
                 raise InvalidCommand(
-                    f"{self.name!r} takes {self.kernel.n_buffers} buffers and "
-                    f"{self.kernel.n_vals} vals (got {len(bufs)} buffers and {len(vals)} vals)"
+                    f"{self.name!r} takes {self.n_buffers} buffers and "
+                    f"{self.n_vals} vals (got {len(bufs)} buffers and {len(vals)} vals)"
                 )
             self.check_vals(vals)
         elif self._n_args is not None and len(bufs) + len(vals) != self._n_args:
@@ -198,12 +209,10 @@ class Program:
         """Range-check concrete vals against the C parameter types."""
         if self.val_ranges is None:
             return
-        assert self.kernel is not None
-        params = [p for p in self.kernel.params if not p.pointer]
-        for v, (lo, hi), p in zip(vals, self.val_ranges, params, strict=True):
+        for v, (name, lo, hi) in zip(vals, self.val_ranges, strict=True):
             if isinstance(v, int) and not lo <= v <= hi:
                 raise InvalidCommand(
-                    f"{self.name!r} val {p.name!r} must be in [{lo}, {hi}] (got {v})"
+                    f"{self.name!r} val {name!r} must be in [{lo}, {hi}] (got {v})"
                 )
 
     # -- calling -------------------------------------------------------------------------
