@@ -276,6 +276,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import trio
 
     import hcqa
+    from hcqa.errors import sole_error
     from hcqa.serve import mlp_pipeline, serve
 
     async def main() -> None:
@@ -295,10 +296,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     except BaseExceptionGroup as group:  # the nursery wraps Ctrl-C or a startup error
         if group.subgroup(KeyboardInterrupt) is not None:
             raise KeyboardInterrupt from None
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        raise leaf from None
+        raise sole_error(group) from None
     return 0
 
 

@@ -25,7 +25,7 @@ Every output of the pipeline is compared with the sequential run's, and a sample
 reference computed on the host by the same kernel code; the largest absolute error against
 numpy is reported and a mismatch exits with status 1.
 
-The whole run is one ``trio.run``; when :mod:`hcqa.trace` is importable its ``Tracer`` is
+The whole run is one ``trio.run``; :class:`hcqa.Tracer` is
 installed as an instrument and writes a Chrome trace (``--trace``, else ``$HCQA_TRACE``, else
 ``hcqa-demo-trace.json``; read it with ``hcqa trace summary`` or https://ui.perfetto.dev).
 :mod:`bench.bench_pipeline` reuses the building blocks here for its timed comparison.
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 import tempfile
@@ -284,12 +283,8 @@ class Progress:
 
 
 def _tracer(path: str) -> tuple[list[trio.abc.Instrument], str]:
-    """([the Tracer instrument], how the trace is reported), or none when unavailable."""
-    try:
-        trace: Any = importlib.import_module("hcqa.trace")
-    except ImportError as exc:
-        return [], f"trace: unavailable (hcqa.trace can't be imported: {exc})"
-    return [trace.Tracer(path)], f"trace: {path} (hcqa trace summary {path}; or ui.perfetto.dev)"
+    """([the Tracer instrument], how the trace is reported)."""
+    return [hcqa.Tracer(path)], f"trace: {path} (hcqa trace summary {path}; or ui.perfetto.dev)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,3 +83,11 @@ class QueueFull(HcqaError):
 
 class DeviceClosed(HcqaError):
     """The device was closed; nothing more can be queued on it."""
+
+
+def sole_error(exc: BaseException) -> BaseException:
+    """``exc`` without the exception groups that wrap just one error (as a nursery wraps
+    the one failure of its children)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

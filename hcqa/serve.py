@@ -50,7 +50,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa.devices.base import Device
-from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand
+from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand, sole_error
 from hcqa.pipeline import Pipeline, Stage
 
 __all__ = ["make_app", "mlp_pipeline", "serve"]
@@ -91,10 +91,14 @@ def _spec(dtype: np.dtype[Any], shape: tuple[int, ...]) -> str:
 class _App:
     """The ASGI app (see the module docstring); one per pipeline."""
 
-    def __init__(self, pipeline: Pipeline, *, max_pending: int | None, max_body: int) -> None:
+    def __init__(
+        self, pipeline: Pipeline, *, max_pending: int | None, max_body: int | None
+    ) -> None:
         self.pipeline = pipeline
         self.max_pending = max_pending
-        self.max_body = max_body
+        self.in_nbytes = math.prod(pipeline.in_shape) * pipeline.dtype.itemsize
+        self.in_spec = _spec(pipeline.dtype, pipeline.in_shape)
+        self.max_body = max_body or max(1 << 20, 32 * self.in_nbytes)
         self.devices = list({id(s.device): s.device for s in pipeline.stages}.values())
         self.started = time.monotonic()
         self.pending = 0  # /infer requests admitted and not yet answered
@@ -256,19 +260,18 @@ class _App:
 
     def _from_raw(self, body: bytes) -> npt.NDArray[Any]:
         p = self.pipeline
-        want = math.prod(p.in_shape) * p.dtype.itemsize
-        if len(body) != want:
+        if len(body) != self.in_nbytes:
             raise _HttpError(
                 400,
-                f"expected {want} bytes of little-endian "
-                f"{_spec(p.dtype, p.in_shape)} (got {len(body)} bytes)",
+                f"expected {self.in_nbytes} bytes of little-endian {self.in_spec} "
+                f"(got {len(body)} bytes)",
             )
         x = np.frombuffer(body, dtype=p.dtype.newbyteorder("<")).reshape(p.in_shape)
         return x.astype(p.dtype)  # native byte order, writable, owned
 
     def _from_json(self, body: bytes) -> npt.NDArray[Any]:
         p = self.pipeline
-        want = _spec(p.dtype, p.in_shape)
+        want = self.in_spec
         try:
             doc = json.loads(body)
         except ValueError as exc:
@@ -322,8 +325,7 @@ def make_app(
         raise TypeError(f"make_app needs a hcqa.Pipeline (got {type(pipeline).__name__})")
     if max_pending is not None and max_pending < 1:
         raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
-    raw = math.prod(pipeline.in_shape) * pipeline.dtype.itemsize
-    return _App(pipeline, max_pending=max_pending, max_body=max_body or max(1 << 20, 32 * raw))
+    return _App(pipeline, max_pending=max_pending, max_body=max_body)
 
 
 async def serve(
@@ -363,10 +365,7 @@ async def serve(
             binds: list[str] = await nursery.start(hypercorn_serve, app, config)
             task_status.started(int(binds[0].rsplit(":", 1)[1]))
     except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        raise leaf from None
+        raise sole_error(group) from None
 
 
 async def mlp_pipeline(

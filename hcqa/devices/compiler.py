@@ -106,6 +106,15 @@ def _check_order(entry: str, params: tuple[CParam, ...]) -> None:
 _TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|(/\*.*?\*/|//[^\n]*)', re.DOTALL)
 
 
+def _after_parens(text: str, i: int) -> int:
+    """Just past the ``)`` that closes a ``(`` ending at ``i`` (or the end of ``text``)."""
+    depth = 1
+    while i < len(text) and depth:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    return i
+
+
 def _clean(source: str) -> str:
     """``source`` without comments, literals, preprocessor lines or ``__attribute__((...))``."""
     text = _TOKENS.sub(lambda m: " " if m.group(1) else '""', source.replace("\\\n", ""))
@@ -115,12 +124,8 @@ def _clean(source: str) -> str:
     for m in re.finditer(r"\b__attribute__\s*\(", text):
         if m.start() < pos:
             continue
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            i += 1
         out.append(text[pos : m.start()] + " ")
-        pos = i
+        pos = _after_parens(text, m.end())
     return "".join(out) + text[pos:]
 
 
@@ -170,10 +175,7 @@ def parse_signature(source: str, entry: str) -> tuple[CParam, ...]:
     """The parameters of the exported definition ``void entry(...) { ... }`` in ``source``."""
     text = _clean(source)
     for m in re.finditer(rf"(?<![\w.]){re.escape(entry)}\s*\(", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            i += 1
+        i = _after_parens(text, m.end())
         if not text[i:].lstrip().startswith("{"):
             continue  # a prototype or a call, not the definition
         start = max(text.rfind(c, 0, m.start()) for c in ";{}") + 1
