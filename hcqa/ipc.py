@@ -155,7 +155,10 @@ class WorkerProcess:
     index: int
     process: trio.Process
     sock: trio.socket.SocketType
-    pid: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
 
 async def spawn_worker(index: int, blas_threads: int | None) -> WorkerProcess:
@@ -176,7 +179,7 @@ async def spawn_worker(index: int, blas_threads: int | None) -> WorkerProcess:
         child.close()
     sock = trio.socket.from_stdlib_socket(parent)
     check_peer(sock)
-    return WorkerProcess(index=index, process=process, sock=sock, pid=process.pid)
+    return WorkerProcess(index=index, process=process, sock=sock)
 
 
 async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:

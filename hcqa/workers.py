@@ -283,7 +283,7 @@ class ProcessPipeline:
         try:
             await _items.copy(self._inputs[slot], arr, lambda: self.buffers[0][slot].copyin(arr))
             fed = True
-            self._advance(self._fed, self._fed_signal, k)
+            self._feed(k)
             await self._last._wait_limited(k, None, "")
             self.completed += 1
             if oslot != slot:
@@ -334,7 +334,7 @@ class ProcessPipeline:
         the next item in this slot is written after this one is read -- and if this item
         was abandoned midway, only its own (dropped) data is overwritten."""
         if not fed:
-            self._advance(self._fed, self._fed_signal, k)
+            self._feed(k)
         self._free_slots.append(slot)
         self._limit.release()
 
@@ -354,8 +354,9 @@ class ProcessPipeline:
             item.done = True
             self._give(k, slot, item.fed)
 
-    def _advance(self, ready: set[int], sig: Signal, k: int) -> None:
-        """Mark item ``k``; the signal ``sig`` moves over the prefix of marked items."""
+    def _feed(self, k: int) -> None:
+        """Item ``k``'s input is in place: ``fed`` moves over the prefix of such items."""
+        ready, sig = self._fed, self._fed_signal
         v = sig.value
         if k == v + 1 and not ready:  # in order: the common case
             sig._set_from_engine(k)
@@ -391,7 +392,7 @@ class PipelineItem:
             raise InvalidCommand(f"item {self.number} was already run")
         self.fed = True
         pipe = self.pipe
-        pipe._advance(pipe._fed, pipe._fed_signal, self.number)
+        pipe._feed(self.number)
         await pipe._last.wait(self.number)
         pipe.completed += 1
         return pipe._outputs[self.slot]
