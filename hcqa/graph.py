@@ -66,7 +66,6 @@ __all__ = ["Graph", "GraphStatistics", "capture", "current_capture"]
 @attrs.define(eq=False)
 class _Node:
     index: int
-    device: Device
     actor: QueueActor
     commands: list[Any]
     reads: tuple[Buffer, ...]
@@ -150,6 +149,7 @@ class Graph:
         self._dropped = 0
         self._native = 0
         self._variables: set[Variable] = set()
+        self._names: set[str] = set()  # the variables' names, once the capture ends
         self._capture_signal = _placeholder()
         self._sink: QueueActor | None = None
         self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
@@ -181,7 +181,6 @@ class Graph:
         self._nodes.append(
             _Node(
                 index=len(self._nodes),
-                device=device,
                 actor=actor,
                 commands=list(commands),
                 reads=tuple(reads),
@@ -196,6 +195,7 @@ class Graph:
 
     def _build(self) -> None:
         self._built = True
+        self._names = {v.name for v in self._variables}
         order: dict[QueueActor, list[_Node]] = {}
         position: dict[_Node, int] = {}
         clocks: dict[QueueActor, dict[QueueActor, int]] = {}
@@ -309,7 +309,7 @@ class Graph:
     # -- replay --------------------------------------------------------------------------
 
     def _bind(self, var_vals: dict[str, Any]) -> VarVals:
-        names = {v.name for v in self._variables}
+        names = self._names
         unknown = sorted(set(var_vals) - names)
         if unknown:
             raise InvalidCommand(
@@ -319,25 +319,20 @@ class Graph:
 
     def _batches(self, var_vals: VarVals) -> list[tuple[_Part, list[Any], int]]:
         """Resolve every part's patches: (part, batch, base). Raises before anything is sent."""
+        bases = {part.actor: part.actor.value for part in self._parts}
         out = []
         for part in self._parts:
-            base = part.actor.value
+            base = bases[part.actor]
             batch = list(part.template)
             for index, kind, data in part.patches:
                 if kind == "signal":
                     batch[index] = cmd.Signal(signal=part.actor.signal, value=base + data)
                 elif kind == "wait":
                     p, k = data
-                    batch[index] = ("wait", p, k)  # needs p's base: filled below
+                    batch[index] = cmd.Wait(signal=p.signal, value=bases[p] + k)
                 else:
                     batch[index] = _resolve_command(data, var_vals)
             out.append((part, batch, base))
-        bases = {part.actor: base for part, _, base in out}
-        for part, batch, _ in out:
-            for index, kind, _data in part.patches:
-                if kind == "wait":
-                    _, p, k = batch[index]
-                    batch[index] = cmd.Wait(signal=p.signal, value=bases[p] + k)
         return out
 
     def submit(self, **var_vals: int) -> Fence:
@@ -377,14 +372,11 @@ class Graph:
                 for other, final in finals.items():
                     if other is not q:
                         tail.append(cmd.Wait(signal=other.signal, value=final))
-            q.value = base + part.nsignals
-            seq = device._timeline.reserve()
-            tail.append(cmd.Step(timeline=device._timeline, seq=seq))
-            for d in part.also:
-                tail.append(cmd.Step(timeline=d._timeline, seq=d._timeline.reserve_foreign()))
-            q.send_nowait(Batch(head + batch + tail))
+            q.value = finals[q]
+            seq, steps = device._steps(part.also)
+            q.send_nowait(Batch(head + batch + tail + steps))
             limit = device.hang_limit
-            fences.append(Fence(q.signal, base + part.nsignals, hang_limit=limit, context=q.name))
+            fences.append(Fence(q.signal, finals[q], hang_limit=limit, context=q.name))
             for k in part.transfers:
                 fences.append(Fence(q.signal, base + k, hang_limit=limit, context=q.name))
             if q is self._sink:

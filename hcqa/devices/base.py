@@ -332,11 +332,9 @@ class Device:
         batch.extend(commands)
         actor.value += 1
         value = actor.value
-        seq = self._timeline.reserve()
         batch.append(cmd.Signal(signal=actor.signal, value=value))
-        batch.append(cmd.Step(timeline=self._timeline, seq=seq))
-        for other in also:
-            batch.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
+        seq, steps = self._steps(also)
+        batch.extend(steps)
         actor.send_nowait(Batch(batch), waits)
         for b in reads:
             b._hazards.reads[actor] = value
@@ -345,6 +343,15 @@ class Device:
             hz.write = (actor, value)
             hz.reads.clear()
         return self._timeline.fence(seq)
+
+    def _steps(self, also: Iterable[Device]) -> tuple[int, list[cmd.Step]]:
+        """A batch's last commands: the step it takes on this device's timeline (its
+        ``seq``, reserved now) and one on each device in ``also``."""
+        seq = self._timeline.reserve()
+        steps = [cmd.Step(timeline=self._timeline, seq=seq)]
+        for other in also:
+            steps.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
+        return seq, steps
 
     def _enqueue_exec(
         self, exec_: cmd.Exec, *, timed: tuple[Signal, Signal] | None = None
