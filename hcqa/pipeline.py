@@ -35,7 +35,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer
+from hcqa.devices.buffer import Buffer, check_int
 from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -91,10 +91,7 @@ class Pipeline:
         dtype: npt.DTypeLike = "float32",
         depth: int = 2,
     ) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int):
-            raise TypeError(f"'depth' must be an int (got {type(depth).__name__})")
-        if depth < 1:
-            raise InvalidCommand(f"'depth' must be >= 1 (got {depth})")
+        check_int("depth", depth, minimum=1)
         if not stages:
             raise InvalidCommand("a Pipeline needs at least one stage (got none)")
         self.stages = tuple(_stage(s, i) for i, s in enumerate(stages))

@@ -54,6 +54,7 @@ import attrs
 
 from hcqa import commands as cmd
 from hcqa.devices.base import Device
+from hcqa.devices.buffer import check_int
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Fence, Signal
@@ -105,14 +106,6 @@ def _exception(exc: ExcSpec, default: str) -> BaseException:
     raise TypeError(f"'exc' must be an exception or an exception class (got {exc!r})")
 
 
-def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
-    if value < minimum:
-        raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
-    return value
-
-
 # -- kernels ----------------------------------------------------------------------------------
 
 
@@ -132,7 +125,7 @@ def failing_kernel(
     """
     dev = _device(device)
     error = _exception(exc, f"injected fault in kernel {name!r}")
-    remaining = _count("after", after, 0)
+    remaining = check_int("after", after, minimum=0)
     lock = threading.Lock()
 
     def kernel(*args: Any) -> None:
@@ -317,14 +310,14 @@ def fail_next_copy(device: Device, exc: ExcSpec = None, *, count: int = 1) -> In
     cause; the device stays faulted. Copies already running are not affected.
     """
     dev = _device(device)
-    n = _count("count", count, 1)
+    n = check_int("count", count, minimum=1)
     return _inject(dev, cmd.Copy, _exception(exc, f"injected fault in a copy on {dev.name}"), n)
 
 
 def fail_next_load(device: Device, exc: ExcSpec = None, *, count: int = 1) -> Injection:
     """Make the next ``count`` ``Buffer.load`` file reads of the device raise ``exc``."""
     dev = _device(device)
-    n = _count("count", count, 1)
+    n = check_int("count", count, minimum=1)
     return _inject(dev, cmd.Load, _exception(exc, f"injected fault in a load on {dev.name}"), n)
 
 

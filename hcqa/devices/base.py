@@ -140,9 +140,7 @@ class Device:
         self._check_usable()
         if isinstance(shape, bool):
             raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
-        if isinstance(shape, int):
-            shape = (shape,)
-        n, dt, shp = typed_size(nbytes, dtype, shape)
+        n, dt, shp = typed_size(nbytes, dtype, shape)  # an int shape becomes (shape,)
         if shared:
             mem = HostMemory(n, shareable=True)
             self._shared.add(mem)
@@ -265,14 +263,12 @@ class Device:
     def _hang(self, exc: BaseException) -> None:
         """A SignalTimeout reached a caller: the device is hung. Its message gains the
         queues that are behind, so the error says where the device is stuck."""
-        behind = [
-            f"{a.name} queue at {a.signal.value} of {a.value}"
-            for a in self._queues.values()
-            if a.signal.value < a.value
-        ]
+        behind = [(a, a.signal.value) for a in self._queues.values()]
+        behind = [(a, done) for a, done in behind if done < a.value]
         if behind and isinstance(exc, SignalTimeout) and exc.args:
-            exc.args = (f"{exc.args[0]}; stuck: {', '.join(behind)}", *exc.args[1:])
-            exc.queue = behind[0].split(" queue")[0]
+            stuck = ", ".join(f"{a.name} queue at {done} of {a.value}" for a, done in behind)
+            exc.args = (f"{exc.args[0]}; stuck: {stuck}", *exc.args[1:])
+            exc.queue = behind[0][0].name
         self._hung = True
         self._fault(exc)
 

@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from hcqa.devices.base import Device
     from hcqa.devices.memory import HostMemory
 
-__all__ = ["Buffer", "Hazards", "check_size", "hazard_waits", "host_ref", "typed_size"]
+__all__ = [
+    "Buffer",
+    "Hazards",
+    "check_int",
+    "check_size",
+    "hazard_waits",
+    "host_ref",
+    "typed_size",
+]
 
 
 def check_size(name: str, value: object, *, minimum: int = 0) -> int:
@@ -51,6 +59,16 @@ def check_size(name: str, value: object, *, minimum: int = 0) -> int:
     if value < minimum:
         raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
     return int(value)
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value``, a plain int >= minimum (no bools, no numpy ints), with the house error
+    messages: for counts and settings, where :func:`check_size` takes sizes."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+    if value < minimum:
+        raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
+    return value
 
 
 class Hazards:
@@ -244,7 +262,7 @@ class Buffer:
 
 
 def _typed(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | None
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | int | None
 ) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
     """Check ``dtype`` / ``shape`` against ``nbytes``; the dtype and shape to keep."""
     if dtype is None:
@@ -278,7 +296,7 @@ def _typed(
 
 
 def typed_size(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | None
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | int | None
 ) -> tuple[int, np.dtype[Any] | None, tuple[int, ...] | None]:
     """Resolve ``alloc``'s arguments into (nbytes, dtype, shape)."""
     if nbytes is not None:

@@ -21,7 +21,6 @@ than drained, and its timeout is not raised again.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ import trio
 
 from hcqa import commands as cmd
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer
+from hcqa.devices.buffer import Buffer, check_int
 from hcqa.errors import HcqaError, InvalidCommand
 from hcqa.signals import Fence
 
@@ -93,17 +92,14 @@ def _options(
         raise InvalidCommand(f"'hang_limit' must be > 0 (got {hang_limit})")
     if not isinstance(host_visible, bool):
         raise TypeError(f"'host_visible' must be a bool (got {type(host_visible).__name__})")
-    for key, value, low in (("queue_depth", queue_depth, 1), ("timeline_start", timeline_start, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{key!r} must be an int (got {type(value).__name__})")
-        if value < low:
-            raise InvalidCommand(f"{key!r} must be >= {low} (got {value})")
+    check_int("queue_depth", queue_depth, minimum=1)
+    check_int("timeline_start", timeline_start, minimum=0)
     if memory is None:
         memory = _default_memory()
     elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
         raise InvalidCommand(f"'memory' must be a positive number of bytes (got {memory!r})")
     return {
-        "hang_limit": float(hang_limit) if not math.isinf(hang_limit) else math.inf,
+        "hang_limit": float(hang_limit),
         "host_visible": host_visible,
         "queue_depth": queue_depth,
         "memory": memory,
