@@ -1,11 +1,25 @@
-"""The docs stay true: the API reference is current, links resolve, examples run."""
+"""The docs stay true: the API reference is current, links resolve, every snippet runs.
+
+Every block fenced ```` ```python ```` in README.md and docs/*.md is a complete program and is
+run as written: in a subprocess, in a fresh temporary directory, with a timeout. A block that
+cannot run standalone (a fragment, a server that runs until stopped, a test function) is fenced
+```` ```python notest ```` and skipped. The blocks all start at once (one process each) so the
+suite pays for the slowest block, not for their sum.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import attrs
+import pytest
 
 import hcqa
 
@@ -35,24 +49,100 @@ def test_relative_links_resolve() -> None:
     assert broken == []
 
 
-def test_the_getting_started_program_runs(tmp_path: Path) -> None:
-    text = (ROOT / "docs" / "getting-started.md").read_text()
-    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
-    script = tmp_path / "first.py"
-    script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
+BLOCK = re.compile(r"^```python(?P<tag>[^\n]*)\n(?P<code>.*?)^```", re.M | re.S)
+BLOCK_TIMEOUT = 120.0  # seconds for one block; they take ~1 s each on an idle machine
 
 
-def test_the_readme_usage_example_runs(tmp_path: Path) -> None:
-    text = (ROOT / "README.md").read_text()
-    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
-    script = tmp_path / "usage.py"
-    script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+@attrs.frozen(kw_only=True)
+class Snippet:
+    doc: str
+    line: int
+    tag: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def _snippets() -> list[Snippet]:
+    out = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in BLOCK.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            name = str(doc.relative_to(ROOT))
+            out.append(Snippet(doc=name, line=line, tag=m["tag"].strip(), code=m["code"]))
+    return out
+
+
+SNIPPETS = _snippets()
+RUNNABLE = [s for s in SNIPPETS if s.tag == ""]
+
+
+@attrs.frozen(kw_only=True)
+class Ran:
+    returncode: int | None  # None: still running at the timeout (then killed)
+    output: str
+    cwd: Path
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def ran() -> Iterator[dict[str, Ran]]:
+    """Start every runnable block at once, each in its own temp dir, and collect them."""
+    with tempfile.TemporaryDirectory(prefix="hcqa-docs-") as top:
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+        procs = {}
+        for i, s in enumerate(RUNNABLE):
+            cwd = Path(top) / f"block{i}"
+            cwd.mkdir()
+            (cwd / "snippet.py").write_text(s.code)
+            log = (cwd / "output.txt").open("w+")
+            proc = subprocess.Popen(
+                [sys.executable, "snippet.py"], cwd=cwd, env=env, stdout=log, stderr=log
+            )
+            procs[s.id] = (proc, log, cwd, time.monotonic())
+        deadline = time.monotonic() + BLOCK_TIMEOUT
+        results = {}
+        for key, (proc, log, cwd, t0) in procs.items():
+            try:
+                code: int | None = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                code = None
+            log.seek(0)
+            results[key] = Ran(
+                returncode=code, output=log.read(), cwd=cwd, seconds=time.monotonic() - t0
+            )
+            log.close()
+        yield results
+
+
+def test_every_python_block_is_tagged_runnable_or_notest() -> None:
+    unknown = [f"{s.id} ```python{s.tag}" for s in SNIPPETS if s.tag not in ("", "notest")]
+    assert unknown == [], "fence python blocks as ```python or ```python notest"
+    assert len(RUNNABLE) >= 5, "the snippet extractor found (almost) nothing to run"
+
+
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.id for s in RUNNABLE])
+def test_the_snippet_runs_as_written(snippet: Snippet, ran: dict[str, Ran]) -> None:
+    result = ran[snippet.id]
+    assert result.returncode is not None, (
+        f"{snippet.id} still running after {BLOCK_TIMEOUT:.0f} s:\n{result.output}"
     )
-    assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "trace.json").stat().st_size > 0
+    assert result.returncode == 0, f"{snippet.id} exited {result.returncode}:\n{result.output}"
+
+
+def test_the_readme_usage_example_writes_its_trace(ran: dict[str, Ran]) -> None:
+    (usage,) = [s for s in RUNNABLE if s.doc == "README.md" and "hcqa.Tracer" in s.code]
+    result = ran[usage.id]
+    assert result.returncode == 0, result.output
+    assert (result.cwd / "trace.json").stat().st_size > 0
+
+
+def test_the_extractor_reads_tags_and_bodies() -> None:
+    doc = "```python\nraise SystemExit(3)\n```\n\n```python notest\nawait x\n```\n"
+    found = [(m["tag"].strip(), m["code"]) for m in BLOCK.finditer(doc)]
+    assert found == [("", "raise SystemExit(3)\n"), ("notest", "await x\n")]

@@ -1,7 +1,8 @@
 """Write docs/api.md from hcqa's public names (``hcqa.__all__``) and their docstrings.
 
 Run from the repo root: ``python tools/gen_api_docs.py``. tests/test_docs.py checks
-that the file is up to date, so the reference can't drift from the code.
+that the file is up to date, so the reference can't drift from the code. Signatures are
+fenced ```` ```python notest ````: they are not programs (tests/test_docs.py runs the others).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def render() -> str:
         kind = "class" if inspect.isclass(obj) else "function"
         parts.append(f"\n## `{name}` ({kind})\n")
         if inspect.isclass(obj):
-            parts.append(f"```python\n{_signature(name, obj)}\n```\n")
+            parts.append(f"```python notest\n{_signature(name, obj)}\n```\n")
             parts.append(_doc(obj) + "\n")
             for mname, member in _members(obj):
                 if isinstance(member, property):
@@ -61,7 +62,7 @@ def render() -> str:
                     parts.append(f"\n- `{name}.{sig}`: {_first(member)}")
             parts.append("\n")
         else:
-            parts.append(f"```python\n{_signature(name, obj)}\n```\n")
+            parts.append(f"```python notest\n{_signature(name, obj)}\n```\n")
             parts.append(_doc(obj) + "\n")
     return "".join(parts)
 
