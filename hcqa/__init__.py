@@ -1,5 +1,6 @@
 """hcqa: an asynchronous, actor-based scheduler for accelerator command queues on trio."""
 
+from hcqa.batcher import Batcher, BatcherStatistics, open_batcher
 from hcqa.devices import (
     Buffer,
     CpuDevice,
@@ -35,6 +36,8 @@ from hcqa.workers import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batcher",
+    "BatcherStatistics",
     "Buffer",
     "CpuDevice",
     "Device",
@@ -62,6 +65,7 @@ __all__ = [
     "Tracer",
     "Variable",
     "capture",
+    "open_batcher",
     "open_device",
     "open_devices",
     "open_process_pipeline",

@@ -1,0 +1,373 @@
+"""Dynamic batching: single samples from many concurrent callers become microbatches.
+
+Theory of operation
+-------------------
+``await batch(sample)`` checks the sample (shape, dtype) and appends a *request* to a
+FIFO of pending requests, wakes the batcher's collector task, then parks on the
+request's own event. The collector (one trio task, started by :func:`open_batcher`) is
+the only one that turns requests into batches. It dispatches the oldest pending
+requests, up to ``max_batch`` of them, as one batch when
+
+- a slot is free (at most ``depth`` batches run at once: the target's own depth for a
+  pipeline, so batches queue here, where they can still grow, not inside the pipeline),
+- and one of: the batch is full; the oldest request has waited ``max_wait``; or **no
+  batch is running at all** -- the target is idle, so waiting could only add latency. A
+  lone caller therefore pays no ``max_wait``; under load the target is busy, requests
+  pile up while it works, and batches fill by themselves.
+
+Each batch runs in its own task: the samples are stacked into one array (for a
+pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
+once, and row ``i`` of its result is copied to request ``i`` (the padding rows are
+dropped). An exception from the target is handed to exactly the callers of that batch.
+
+Cancellation: a caller cancelled while its request is still pending removes it from the
+FIFO (nothing ran); one cancelled after dispatch just stops waiting -- its row is
+computed with the others and dropped, so the rest of its batch is unharmed.
+
+Closing: leaving the ``async with`` block normally stops new calls (``DeviceClosed``),
+runs what is pending and waits for the running batches. Leaving it by an exception
+cancels the batches; every caller still waiting gets ``DeviceClosed``.
+
+Nothing spins: the collector sleeps on a ``trio.Event`` (woken by a new request or a
+finished batch) or until the oldest request's ``max_wait`` deadline.
+
+::
+
+    caller ──▶ check sample ──▶ pending FIFO ──▶ collector (slot free? full / waited /
+      ▲                                           idle?) ──▶ batch task: stack, pad,
+      │                                                        await target(x), slice
+      └───────────────── row i (or the batch's exception) ◀────────────┘
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa.devices.buffer import check_int
+from hcqa.errors import DeviceClosed, InvalidCommand, QueueFull
+
+__all__ = ["Batcher", "BatcherStatistics", "open_batcher"]
+
+Target = Callable[[npt.NDArray[Any]], Awaitable[npt.NDArray[Any]]]
+_WAIT_HISTORY = 4096  # queue waits kept for the percentiles
+
+
+@attrs.frozen(kw_only=True)
+class BatcherStatistics:
+    """What :meth:`Batcher.statistics` reports (times in seconds)."""
+
+    max_batch: int
+    max_wait: float
+    depth: int  # batches allowed to run at once
+    batches: int  # batches run (finished, failed or not)
+    samples: int  # samples in those batches
+    mean_batch: float  # samples / batches (NaN before the first batch)
+    batch_sizes: tuple[int, ...]  # batch_sizes[k - 1]: batches of k samples
+    failed_batches: int  # batches whose target raised
+    cancelled: int  # callers that stopped waiting (their rows were dropped or never ran)
+    pending: int  # requests waiting for a batch
+    in_flight: int  # batches running now
+    queue_wait_p50: float  # from the call to its batch's dispatch, last 4096 requests
+    queue_wait_p99: float
+
+
+@attrs.define(eq=False)
+class _Request:
+    sample: npt.NDArray[Any]
+    arrived: float
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: npt.NDArray[Any] | None = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """Gathers single samples into batches for ``target``; made by :func:`open_batcher`.
+
+    ``await batcher(sample)`` returns the sample's row of the target's output.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        max_batch: int,
+        max_wait: float,
+        sample_shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        depth: int,
+        pad_to: int | None,
+        max_pending: int | None,
+    ) -> None:
+        self.target = target
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self.sample_shape = sample_shape
+        self.dtype = dtype
+        self.depth = depth
+        self.max_pending = max_pending
+        self._pad_to = pad_to
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._wake = trio.Event()
+        self._in_flight = 0
+        self._closed = False
+        self._batches = 0
+        self._samples = 0
+        self._sizes = [0] * max_batch
+        self._failed = 0
+        self._cancelled = 0
+        self._waits: collections.deque[float] = collections.deque(maxlen=_WAIT_HISTORY)
+
+    async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Run ``sample`` in the next batch; returns its row of the target's output."""
+        arr = np.asarray(sample)
+        if arr.shape != self.sample_shape or arr.dtype != self.dtype:
+            raise InvalidCommand(
+                f"a sample must be {self.dtype}{list(self.sample_shape)} "
+                f"(got {arr.dtype}{list(arr.shape)})"
+            )
+        if self._closed:
+            raise DeviceClosed("the batcher is closed")
+        if self.max_pending is not None and len(self._pending) >= self.max_pending:
+            raise QueueFull(
+                f"batcher pending requests must stay <= {self.max_pending} "
+                f"(got {len(self._pending)} waiting)"
+            )
+        request = _Request(sample=arr, arrived=trio.current_time())
+        self._pending.append(request)
+        self._wake.set()
+        try:
+            await request.done.wait()
+        except BaseException:
+            self._cancelled += 1
+            if not request.done.is_set():
+                try:
+                    self._pending.remove(request)  # still pending: it leaves the queue
+                except ValueError:
+                    pass  # dispatched: its row is computed and dropped
+            raise
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    def statistics(self) -> BatcherStatistics:
+        """A frozen snapshot of the counters (see :class:`BatcherStatistics`)."""
+        waits = sorted(self._waits)
+        return BatcherStatistics(
+            max_batch=self.max_batch,
+            max_wait=self.max_wait,
+            depth=self.depth,
+            batches=self._batches,
+            samples=self._samples,
+            mean_batch=self._samples / self._batches if self._batches else math.nan,
+            batch_sizes=tuple(self._sizes),
+            failed_batches=self._failed,
+            cancelled=self._cancelled,
+            pending=len(self._pending),
+            in_flight=self._in_flight,
+            queue_wait_p50=_percentile(waits, 50),
+            queue_wait_p99=_percentile(waits, 99),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<Batcher {self.dtype}{list(self.sample_shape)} max_batch={self.max_batch} "
+            f"max_wait={self.max_wait} depth={self.depth}>"
+        )
+
+    # -- the collector -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The collector: dispatch batches until closed and drained (see the module doc)."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                if not self._pending:
+                    if self._closed:
+                        break
+                    await self._sleep(math.inf)
+                    continue
+                if self._in_flight >= self.depth:
+                    await self._sleep(math.inf)
+                    continue
+                deadline = self._pending[0].arrived + self.max_wait
+                ready = (
+                    len(self._pending) >= self.max_batch
+                    or self._in_flight == 0
+                    or self._closed
+                    or trio.current_time() >= deadline
+                )
+                if not ready:
+                    await self._sleep(deadline)
+                    continue
+                n = min(self.max_batch, len(self._pending))
+                batch = [self._pending.popleft() for _ in range(n)]
+                self._in_flight += 1
+                nursery.start_soon(self._run_batch, batch)
+            # closed and nothing pending: the nursery waits for the running batches
+
+    async def _sleep(self, deadline: float) -> None:
+        """Park until woken (new request, finished batch, close) or ``deadline`` passes."""
+        self._wake = trio.Event()
+        if deadline == math.inf:
+            await self._wake.wait()
+        else:
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                await self._wake.wait()
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        now = trio.current_time()
+        n = len(batch)
+        self._waits.extend(now - r.arrived for r in batch)
+        self._batches += 1
+        self._samples += n
+        self._sizes[n - 1] += 1
+        try:
+            rows = n if self._pad_to is None else self._pad_to
+            x = np.empty((rows, *self.sample_shape), self.dtype)
+            for i, r in enumerate(batch):
+                x[i] = r.sample
+            x[n:] = 0
+            y = await self.target(x)
+            y = np.asarray(y)
+            if y.ndim < 1 or y.shape[0] != rows:
+                raise InvalidCommand(
+                    f"the batch target must return one row per sample, {rows} rows "
+                    f"(got {y.dtype}{list(y.shape)})"
+                )
+            for i, r in enumerate(batch):
+                r.result = np.array(y[i])  # a copy: a pipeline's lent output goes back at once
+        except Exception as exc:
+            self._failed += 1
+            for r in batch:
+                r.error = exc
+        except BaseException:  # cancelled: the batcher is closing by an exception
+            for r in batch:
+                r.error = DeviceClosed("the batcher closed before this batch finished")
+            raise
+        finally:
+            for r in batch:
+                r.done.set()
+            self._in_flight -= 1
+            self._wake.set()
+
+    def _close(self, *, failed: bool) -> None:
+        self._closed = True
+        if failed:
+            while self._pending:
+                r = self._pending.popleft()
+                r.error = DeviceClosed("the batcher closed before this sample ran")
+                r.done.set()
+        self._wake.set()
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    return sorted_values[max(1, math.ceil(q / 100 * len(sorted_values))) - 1]
+
+
+@asynccontextmanager
+async def open_batcher(
+    target: Any,
+    *,
+    max_batch: int | None = None,
+    max_wait: float = 0.002,
+    sample_shape: tuple[int, ...] | None = None,
+    dtype: npt.DTypeLike | None = None,
+    depth: int | None = None,
+    max_pending: int | None = None,
+) -> AsyncIterator[Batcher]:
+    """Batch single samples for ``target`` inside the block: ``row = await batch(sample)``.
+
+    ``target`` is a :class:`~hcqa.Pipeline`, a :class:`~hcqa.ProcessPipeline` (anything with
+    ``in_shape``, ``dtype`` and ``depth``: samples are rows of ``in_shape``, batches are
+    padded to ``in_shape[0]``, ``max_batch`` defaults to it and may not exceed it, and up to
+    ``depth`` batches run at once), or any async callable over an array
+    ``[n, *sample_shape]`` that returns ``n`` rows (then ``sample_shape`` and ``dtype`` are
+    required, ``max_batch`` too, and ``depth`` defaults to 1).
+
+    ``max_wait`` (seconds): the longest a request waits for its batch to fill while the
+    target is busy; when nothing runs, a batch goes at once. ``max_pending``: a call that
+    finds that many requests waiting raises ``QueueFull`` (None: no limit).
+    """
+    is_pipeline = all(hasattr(target, a) for a in ("in_shape", "dtype", "depth"))
+    if not callable(target):
+        raise InvalidCommand(
+            f"the batch target must be a Pipeline, ProcessPipeline or async callable "
+            f"(got {type(target).__name__})"
+        )
+    pad_to: int | None = None
+    if is_pipeline:
+        in_shape = tuple(target.in_shape)
+        if len(in_shape) < 1:
+            raise InvalidCommand(f"the pipeline's in_shape must have a batch dimension (got {[]})")
+        if sample_shape is not None and tuple(sample_shape) != in_shape[1:]:
+            raise InvalidCommand(
+                f"'sample_shape' must be {list(in_shape[1:])}, the pipeline's rows "
+                f"(got {list(sample_shape)})"
+            )
+        if dtype is not None and np.dtype(dtype) != target.dtype:
+            raise InvalidCommand(
+                f"'dtype' must be {target.dtype}, the pipeline's (got {np.dtype(dtype)})"
+            )
+        pad_to = in_shape[0]
+        sample_shape, dtype = in_shape[1:], target.dtype
+        max_batch = pad_to if max_batch is None else max_batch
+        depth = target.depth if depth is None else depth
+    elif sample_shape is None or dtype is None or max_batch is None:
+        raise InvalidCommand(
+            "an async callable target needs 'max_batch', 'sample_shape' and 'dtype' (got "
+            f"max_batch={max_batch!r}, sample_shape={sample_shape!r}, dtype={dtype!r})"
+        )
+    check_int("max_batch", max_batch, minimum=1)
+    if pad_to is not None and max_batch > pad_to:
+        raise InvalidCommand(
+            f"'max_batch' must be <= {pad_to}, the pipeline's batch dimension (got {max_batch})"
+        )
+    if (
+        isinstance(max_wait, bool)
+        or not isinstance(max_wait, int | float)
+        or not max_wait >= 0
+        or max_wait == math.inf
+    ):
+        raise InvalidCommand(f"'max_wait' must be a finite number >= 0 seconds (got {max_wait!r})")
+    depth = 1 if depth is None else depth
+    check_int("depth", depth, minimum=1)
+    if max_pending is not None:
+        check_int("max_pending", max_pending, minimum=1)
+    shape = tuple(sample_shape)
+    for d in shape:
+        check_int("sample_shape", d, minimum=1)
+    batcher = Batcher(
+        target,
+        max_batch=max_batch,
+        max_wait=float(max_wait),
+        sample_shape=shape,
+        dtype=np.dtype(dtype),
+        depth=depth,
+        pad_to=pad_to,
+        max_pending=max_pending,
+    )
+    error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        try:
+            yield batcher
+        except BaseException as exc:  # raised below, not wrapped in an ExceptionGroup
+            error = exc
+            batcher._close(failed=True)
+            nursery.cancel_scope.cancel()
+        else:
+            batcher._close(failed=False)
+    if error is not None:
+        raise error
