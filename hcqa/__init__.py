@@ -1,5 +1,6 @@
 """hcqa: an asynchronous, actor-based scheduler for accelerator command queues on trio."""
 
+from hcqa.aio import open_asyncio_host
 from hcqa.batcher import Batcher, BatcherStatistics, open_batcher
 from hcqa.devices import (
     Buffer,
@@ -65,6 +66,7 @@ __all__ = [
     "Tracer",
     "Variable",
     "capture",
+    "open_asyncio_host",
     "open_batcher",
     "open_device",
     "open_devices",

@@ -1,4 +1,5 @@
-"""The waiters a signal parks: a trio task or a thread, and the state of its wake-up.
+"""The waiters a signal parks: a trio task, an asyncio task or a thread, and the state
+of its wake-up.
 
 Theory of operation
 -------------------
@@ -7,13 +8,15 @@ is on its way (``WOKEN``, with ``msg`` saying what for: the target was reached, 
 the waiter now *owns* the eventfd) or it left (``ABORTED``). A trio task parks in
 ``wait_task_rescheduled`` and is woken by ``reschedule`` -- from another thread only
 through its run's ``run_sync_soon``, and only while ``parked`` is still true; a thread
-parks on a semaphore, where a wake that lands early is a harmless spurious wake-up.
+parks on a semaphore, where a wake that lands early is a harmless spurious wake-up; an
+asyncio task parks on a Future (``future``, set in ``loop``'s thread; see ``_aio_wait.py``).
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+from typing import Any
 
 import outcome
 import trio
@@ -34,7 +37,18 @@ OWN = "own"
 class Waiter:
     """One parked waiter: a trio task (task set) or a thread (lock set)."""
 
-    __slots__ = ("lock", "msg", "parked", "state", "target", "task", "thread", "token")
+    __slots__ = (
+        "future",
+        "lock",
+        "loop",
+        "msg",
+        "parked",
+        "state",
+        "target",
+        "task",
+        "thread",
+        "token",
+    )
 
     def __init__(self, target: int, *, trio_task: bool) -> None:
         self.target = target
@@ -47,6 +61,8 @@ class Waiter:
         # A thread's semaphore is made when it first parks (see ``park_lock``): most
         # thread waits own the eventfd and never park, and a semaphore costs microseconds.
         self.lock: threading.Semaphore | None = None
+        self.future: Any = None  # an asyncio waiter's Future, and its loop
+        self.loop: Any = None
         if trio_task:
             self.task = trio.lowlevel.current_task()
             self.token = trio.lowlevel.current_trio_token()
@@ -58,7 +74,7 @@ class Waiter:
         a count behind (a spurious wake-up the wait loop absorbs) instead of raising on a
         second release. Called under the signal's lock, before the state says PARKED, so
         whoever wakes the waiter finds it."""
-        if self.task is None and self.lock is None:
+        if self.task is None and self.future is None and self.lock is None:
             self.lock = threading.Semaphore(0)
 
     def deliver(self) -> None:
@@ -72,6 +88,14 @@ class Waiter:
                     self.token.run_sync_soon(self._wake_task)
                 except trio.RunFinishedError:
                     pass  # that run is gone, and its task with it
+        elif self.future is not None:
+            if self.thread == threading.get_ident():
+                _set(self.future)
+            else:
+                try:
+                    self.loop.call_soon_threadsafe(_set, self.future)
+                except RuntimeError:
+                    pass  # that loop is closed, and its task with it
         else:
             assert self.lock is not None
             self.lock.release()
@@ -82,3 +106,8 @@ class Waiter:
             self.parked = False
             assert self.task is not None
             trio.lowlevel.reschedule(self.task, outcome.Value(self.msg))
+
+
+def _set(future: Any) -> None:
+    if not future.done():
+        future.set_result(None)

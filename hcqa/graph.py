@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
 from hcqa.actors import Batch
@@ -395,6 +396,8 @@ class Graph:
 
     async def __call__(self, **var_vals: int) -> None:
         """Replay and wait for all of it; see the module doc for the error policy."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, **var_vals)
         while True:
             try:
                 _, fences = self._submit(var_vals)

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from hcqa import aio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, check_int
 from hcqa.devices.opening import transfer
@@ -156,6 +157,8 @@ class Pipeline:
 
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one microbatch through every stage; returns the output array."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, x)
         arr = self._check_input(x)
         await self._limit.acquire()
         return await self._run(arr)
@@ -204,6 +207,8 @@ class Pipeline:
 
     async def map(self, xs: Iterable[npt.ArrayLike]) -> list[npt.NDArray[Any]]:
         """``[await self(x) for x in xs]``, but with up to ``depth`` microbatches in flight."""
+        if aio.asyncio_caller():
+            return await aio.call(self.map, xs)
         arrays = [self._check_input(x) for x in xs]
         results: list[Any] = [None] * len(arrays)
         errors: list[BaseException] = []

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.devices.buffer import Buffer
@@ -217,6 +218,8 @@ class Queue:
 
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
         """Wait for room in the queue's channel, then submit (backpressure)."""
+        if aio.asyncio_caller():
+            return await aio.call(self.submit_async, var_vals)
         commands = self._resolve(var_vals)
         while True:
             try:

@@ -45,6 +45,7 @@ from typing import Any
 import attrs
 import trio
 
+from hcqa import _aio_wait
 from hcqa._slots import PAGE, SLOT, Page, pool
 from hcqa._waiters import DONE, OWN, State, Waiter
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, SignalTimeout
@@ -356,6 +357,8 @@ class Signal:
         """Wait, raising :class:`SignalTimeout` when the value makes no progress for
         ``hang_limit`` seconds (None or inf: no limit; it is checked when the limit
         expires, so the error comes between one and two limits after the last progress)."""
+        if not trio.lowlevel.in_trio_task():  # an asyncio caller: park a Future, no trio hop
+            return await _aio_wait.wait_limited(self, target, hang_limit, context, observe)
         if self.value >= target:
             await trio.lowlevel.checkpoint()
             return

@@ -45,6 +45,7 @@ fill the input slot in place, read the output as a view until the block ends.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -56,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from hcqa import _items
+from hcqa import _items, aio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import open_device
@@ -277,6 +278,8 @@ class ProcessPipeline:
 
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one item through every stage process; returns the last stage's output."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, x)
         arr = check_input(x, self.in_shape, self.dtype)
         k, slot, oslot = await self._take(fast=True, loan=True)
         fed = lent = False
@@ -416,6 +419,19 @@ async def open_process_pipeline(
 
     ``blas_threads`` limits each worker's BLAS/OpenMP pool (None: inherit), so the
     workers, not BLAS threads, are the unit of parallelism."""
+    if aio.asyncio_caller():
+        make = functools.partial(
+            open_process_pipeline,
+            stages,
+            in_shape=in_shape,
+            dtype=dtype,
+            depth=depth,
+            grace=grace,
+            blas_threads=blas_threads,
+        )
+        async with aio.hosted(make) as hosted:
+            yield hosted
+        return
     if not stages:
         raise InvalidCommand("a process pipeline needs at least one stage (got none)")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:

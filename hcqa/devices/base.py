@@ -31,6 +31,7 @@ import attrs
 import numpy.typing as npt
 import trio
 
+from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
@@ -198,10 +199,10 @@ class Device:
     async def synchronize(self) -> None:
         """Wait until everything enqueued so far is done; raise the device's error if any."""
         if self._closed:
-            await trio.lowlevel.checkpoint()
+            await aio.checkpoint()
             raise DeviceClosed(f"{self.name} is closed")
         if self._error is not None:
-            await trio.lowlevel.checkpoint()
+            await aio.checkpoint()
             self._raise_error()
         await self._timeline.fence(self._timeline.reserved).wait()
         if self._error is not None:

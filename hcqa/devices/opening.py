@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, check_int
@@ -113,7 +114,12 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
 
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes).
+    Under asyncio the block is held by a trio task of the loop's host (see ``hcqa.aio``).
     """
+    if aio.asyncio_caller():
+        async with aio.hosted(lambda: open_devices(*specs, **options)) as hosted:
+            yield hosted
+        return
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise TypeError(

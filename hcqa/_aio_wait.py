@@ -1,0 +1,101 @@
+"""Waiting on a signal from an asyncio task, with no trio hop.
+
+Theory of operation
+-------------------
+An asyncio task waits in the signal's parking lot like a trio task does (see
+``signals.py``), with an asyncio Future where a trio task has
+``wait_task_rescheduled``. The waiter's Future is made before the waiter is
+listed, so a wake-up delivered from any thread finds it (``Waiter.deliver`` sets it
+directly in the loop's thread, else through ``loop.call_soon_threadsafe``).
+
+The *owner* of the signal's eventfd, when it is an asyncio task, sleeps on it with
+``loop.add_reader``: the callback drains the eventfd (waking the parked waiters,
+trio tasks and threads included) and completes the owner's Future once its target
+is reached. The reader is removed before the waiter leaves, and leaving hands
+ownership on exactly as a trio owner does, so a cancelled asyncio waiter never
+loses a wake-up.
+
+Cancellation is asyncio's: ``CancelledError`` at the await. The hang limit of a
+device's fence is an ``asyncio.timeout`` around the park, checked for progress like
+the trio path does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import TYPE_CHECKING
+
+from hcqa._waiters import Waiter
+from hcqa.errors import SignalTimeout
+
+if TYPE_CHECKING:
+    from hcqa.signals import Signal
+
+__all__ = ["wait_limited"]
+
+
+async def wait_limited(
+    sig: Signal, target: int, hang_limit: float | None, context: str, observe: bool
+) -> None:
+    """``Signal._wait_limited`` for an asyncio caller."""
+    if sig.value >= target:
+        await asyncio.sleep(0)
+        return
+    if hang_limit is None or math.isinf(hang_limit):
+        await _park(sig, target, observe)
+        return
+    seen = sig.value
+    while True:
+        try:
+            async with asyncio.timeout(hang_limit):
+                await _park(sig, target, observe)
+                return
+        except TimeoutError:
+            pass
+        now = sig.value
+        if now == seen:
+            where = f"{context}: " if context else ""
+            raise SignalTimeout(
+                f"{where}signal {sig.name!r} did not reach {target} within the hang "
+                f"limit of {hang_limit:g} s (value {now}, no progress)",
+                signal=sig.name,
+                expected=target,
+                seen=now,
+            )
+        seen = now
+
+
+async def _park(sig: Signal, target: int, observe: bool) -> None:
+    if sig._closed:
+        await asyncio.sleep(0)
+        sig._raise_broken(observe)
+    loop = asyncio.get_running_loop()
+    waiter = Waiter(target, trio_task=False)
+    waiter.loop = loop
+    fd = sig._fd
+    reading = False
+    try:
+        while True:
+            fut = waiter.future = loop.create_future()
+            owner = sig._claim(waiter)  # listed before the value is read
+            if sig._outcome(target):
+                break
+            if owner:  # an owner stays one until it leaves: drain until done
+
+                def readable(fut: asyncio.Future[None] = fut) -> None:
+                    sig._drain()
+                    if sig._outcome(target) and not fut.done():
+                        fut.set_result(None)
+
+                loop.add_reader(fd, readable)
+                reading = True
+                await fut
+                break
+            await fut  # woken: the target is reached, or we now own the eventfd
+    finally:
+        if reading:
+            loop.remove_reader(fd)
+        sig._unregister(waiter)
+    if sig.value < target:
+        sig._raise_broken(observe)
