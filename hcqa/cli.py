@@ -4,7 +4,8 @@ Each subcommand is a :class:`Command` in :data:`COMMANDS`: a one-line help, a fu
 its arguments to its parser, and a function that runs it and returns the exit status. To add one
 (``demo``, ``bench``, ``trace summary``, ...), write those two functions and add an entry.
 
-Errors are one line on stderr and exit status 2, never a traceback; Ctrl-C exits 130.
+Errors are one line on stderr and exit status 2, never a traceback -- unless ``--traceback``
+is given or ``HCQA_DEBUG=1`` is set, which print the traceback above that line; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -231,11 +232,21 @@ def run_trio(async_fn: Callable[..., Any], *args: Any) -> Any:
 
 def _configure_trace(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    summary = sub.add_parser("summary", help="per-device busy %%, per-program times, bandwidth")
+    summary = sub.add_parser(
+        "summary", help="per-device busy %%, per-program times, bandwidth", parents=[_debug()]
+    )
     summary.add_argument("file", help="a trace JSON file written by hcqa.Tracer")
-    plot = sub.add_parser("plot", help="draw a timeline PNG (needs matplotlib)")
+    plot = sub.add_parser("plot", help="draw a timeline PNG (needs matplotlib)", parents=[_debug()])
     plot.add_argument("file", help="a trace JSON file written by hcqa.Tracer")
     plot.add_argument("-o", "--output", default=None, help="the PNG to write (default FILE.png)")
+    plot.add_argument(
+        "--flows",
+        choices=("sample", "all", "none"),
+        default="sample",
+        help="cross-queue waits to draw: an even sample of --max-flows (default), all, or none",
+    )
+    plot.add_argument("--max-flows", type=int, default=200, help="the sample's size (default 200)")
+    plot.add_argument("--max-tasks", type=int, default=8, help="trio task rows (default 8)")
 
 
 def _run_trace(args: argparse.Namespace) -> int:
@@ -243,18 +254,25 @@ def _run_trace(args: argparse.Namespace) -> int:
 
     try:
         doc = trace.load(args.file)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"cannot read trace {args.file!r}: {exc}") from exc
+    except trace.TraceFormatError as exc:
+        raise CliError(str(exc)) from exc
+    except OSError as exc:
+        raise CliError(f"cannot read trace {args.file!r}: {exc.strerror or exc}") from exc
     if args.action == "summary":
         _out(trace.summarize(doc))
         return 0
+    for name in ("max_flows", "max_tasks"):
+        if getattr(args, name) < 0:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(args, name)})")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise CliError("trace plot needs matplotlib: pip install 'hcqa[plot]'") from None
     out = args.output or f"{os.path.splitext(args.file)[0]}.png"
-    trace.plot(doc, out)
-    _out(f"wrote {out}")
+    info = trace.plot(
+        doc, out, flows=args.flows, max_flows=args.max_flows, max_tasks=args.max_tasks
+    )
+    _out(f"wrote {out}: {info.title.replace(chr(10), '; ')}")
     return 0
 
 
@@ -333,32 +351,65 @@ COMMANDS: dict[str, Command] = {
 # entry point
 
 
+_TRACEBACK_HELP = "on an error, print the full traceback too (or set HCQA_DEBUG=1)"
+
+
+def _debug() -> _Parser:
+    """A parent parser with ``--traceback``, so it is accepted after any subcommand too."""
+    debug = _Parser(add_help=False)
+    debug.add_argument(
+        "--traceback",
+        action="store_true",
+        default=argparse.SUPPRESS,  # a subcommand's default must not undo the top level's flag
+        help=_TRACEBACK_HELP,
+    )
+    return debug
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="hcqa: an asynchronous, actor-based scheduler for accelerator command queues.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version('hcqa')}")
+    parser.add_argument(
+        "-V", "--version", action="version", version=f"%(prog)s {_version('hcqa')}"
+    )
+    parser.add_argument("--traceback", action="store_true", help=_TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():
-        child = sub.add_parser(name, help=command.help, description=command.help)
+        parents = [_debug()]
+        child = sub.add_parser(name, help=command.help, description=command.help, parents=parents)
         command.configure(child)
     return parser
 
 
+def _debug_env() -> bool:
+    return os.environ.get("HCQA_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hcqa`` command line; returns the exit status."""
+    import traceback
+
     parser = _parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         return COMMANDS[args.command].run(args)
     except KeyboardInterrupt:
+        if getattr(args, "traceback", False) or _debug_env():
+            traceback.print_exc()
         _out(f"{PROG}: interrupted", sys.stderr)
         return 130
-    except Exception as exc:  # one clear line, no traceback
+    except Exception as exc:  # one clear line; the traceback only on request
+        show = getattr(args, "traceback", False) or _debug_env()
+        if show:
+            traceback.print_exc()
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if not isinstance(exc, CliError):
             message = f"{type(exc).__name__}: {message}"
+            if not show:
+                message += " (--traceback or HCQA_DEBUG=1 shows where)"
         _out(f"{PROG}: error: {message}", sys.stderr)
         return 2
 

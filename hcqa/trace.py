@@ -27,7 +27,8 @@ JSON when the file is written:
 Past ``max_events`` events are dropped and counted (``otherData.dropped_events``).
 ``save()`` (and ``after_run``) writes the file and stops device recording; a later
 trio hook of a still-installed tracer resumes it. One tracer records device work at
-a time. ``summarize``/``plot`` read a trace back (``hcqa trace summary|plot``);
+a time. ``summarize``/``plot`` (in ``_traceview.py``) read a trace back (``hcqa trace
+summary|plot``);
 ``instruments_from_env()`` is ``[Tracer($HCQA_TRACE)]`` or ``[]``, for ``trio.run``.
 """
 
@@ -40,8 +41,7 @@ import os
 import threading
 import time
 import warnings
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -50,7 +50,15 @@ import trio
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 
-__all__ = ["Tracer", "instruments_from_env", "load", "plot", "summarize"]
+__all__ = [
+    "PlotInfo",
+    "TraceFormatError",
+    "Tracer",
+    "instruments_from_env",
+    "load",
+    "plot",
+    "summarize",
+]
 
 _now = time.monotonic_ns
 _BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step})
@@ -320,131 +328,6 @@ def instruments_from_env(environ: Mapping[str, str] | None = None) -> list[trio.
     return [Tracer(path)] if path else []
 
 
-# -- reading traces back -------------------------------------------------------------------
+# -- reading traces back (hcqa/_traceview.py) ----------------------------------------------
 
-
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a trace file; ValueError if it is not a Chrome trace (object form)."""
-    with open(path) as f:
-        doc = json.load(f)
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise ValueError(f"{os.fspath(path)!r} is not a Chrome trace (no traceEvents list)")
-    return doc
-
-
-def _meta(events: list[dict[str, Any]]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
-    """(process names by pid, thread names by (pid, tid)) from the metadata events."""
-    meta = [e for e in events if e.get("ph") == "M"]
-    procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-    return procs, threads
-
-
-def _busy(ranges: list[tuple[float, float]]) -> float:
-    """Total time covered by the union of (ts, dur) ranges."""
-    total, end = 0.0, float("-inf")
-    for ts, dur in sorted(ranges):
-        total += max(0.0, ts + dur - max(ts, end))
-        end = max(end, ts + dur)
-    return total
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Aligned text columns: the first two left-aligned, the numbers right-aligned."""
-    w = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    pad = [str.ljust, str.ljust] + [str.rjust] * (len(w) - 2)
-    return ["  ".join(pad[i](c, w[i]) for i, c in enumerate(r)) for r in [header, *rows]]
-
-
-def summarize(doc: Mapping[str, Any]) -> str:
-    """Per-device busy %, per-program count / total / mean, copy bandwidth, as text."""
-    events: list[dict[str, Any]] = doc["traceEvents"]
-    procs, threads = _meta(events)
-    ranges = [e for e in events if e.get("ph") == "X"]
-    if not ranges:
-        return "no ranges in this trace"
-    start = min(e["ts"] for e in ranges)
-    span = max(e["ts"] + e["dur"] for e in ranges) - start
-    dropped = doc.get("otherData", {}).get("dropped_events", 0)
-    lines = [f"span {span / 1000:.3f} ms, {len(ranges)} ranges, {dropped} events dropped", ""]
-    device = [e for e in ranges if e.get("cat") == "device"]
-    tracks: dict[Any, list[tuple[float, float]]] = {}
-    for e in device:  # per queue, and per device (the key is just the pid)
-        for k in ((e["pid"], e["tid"]), e["pid"]):
-            tracks.setdefault(k, []).append((e["ts"], e["dur"]))
-    rows = []
-    for k in sorted(tracks, key=lambda k: (k, 0) if isinstance(k, int) else k):
-        pid, queue = (k, "(all)") if isinstance(k, int) else (k[0], threads.get(k, str(k[1])))
-        busy, dev = _busy(tracks[k]), procs.get(pid, str(pid))
-        pct = 100 * busy / span if span > 0 else 0.0
-        rows.append([dev, queue.rpartition(" ")[2], f"{busy / 1000:.3f}", f"{pct:.1f}"])
-    lines += [*_table(["device", "queue", "busy ms", "busy %"], rows), ""]
-    programs: dict[tuple[str, str], list[float]] = {}
-    moves: dict[tuple[str, str], list[float]] = {}
-    for e in device:
-        args, dev = e.get("args") or {}, procs.get(e["pid"], str(e["pid"]))
-        if "bytes" in args:
-            what = f"transfer {args['src']}->{args['dest']}" if "src" in args else None
-            acc = moves.setdefault((what or args.get("kind", e["name"]), dev), [0, 0.0, 0])
-            acc[2] += args["bytes"]
-        else:
-            acc = programs.setdefault((e["name"], dev), [0, 0.0])
-        acc[0] += 1
-        acc[1] += e["dur"]
-    rows = [
-        [name, dev, str(int(n)), f"{tot / 1000:.3f}", f"{tot / n:.2f}"]
-        for (name, dev), (n, tot) in sorted(programs.items(), key=lambda kv: -kv[1][1])
-    ]
-    lines += [*_table(["program", "device", "count", "total ms", "mean us"], rows), ""]
-    rows = [
-        [name, dev, str(int(n)), str(int(nb)), f"{tot / 1000:.3f}", f"{nb / tot / 1e3:.3f}"]
-        for (name, dev), (n, tot, nb) in sorted(moves.items())
-        if tot > 0
-    ]
-    lines += _table(["copy", "device", "count", "bytes", "total ms", "GB/s"], rows)
-    return "\n".join(lines)
-
-
-def plot(doc: Mapping[str, Any], out: str | os.PathLike[str], *, max_tasks: int = 12) -> None:
-    """Draw a timeline PNG: device queues, then the busiest trio tasks (needs matplotlib)."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    events: list[dict[str, Any]] = doc["traceEvents"]
-    procs, threads = _meta(events)
-    ranges = [e for e in events if e.get("ph") == "X"]
-    t0 = min((e["ts"] for e in ranges), default=0.0)
-    ms: Callable[[dict[str, Any]], float] = lambda e: (e["ts"] - t0) / 1000  # noqa: E731
-    tracks: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    busy: Counter[Any] = Counter()
-    for e in ranges:
-        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
-        busy[e["name"] if e.get("cat") == "device" else (e["pid"], e["tid"])] += e["dur"]
-    tasks = sorted((k for k in tracks if k[0] == TRIO_PID), key=lambda k: -busy[k])
-    keys = sorted(k for k in tracks if k[0] != TRIO_PID) + tasks[:max_tasks]
-    row = {k: i for i, k in enumerate(keys)}
-    cmap, colors = colormaps["tab20"], dict[str, Any]()
-    for e in ranges:
-        colors.setdefault(e["name"], cmap(len(colors) % 20))
-    fig = Figure(figsize=(12, 1.5 + 0.35 * max(1, len(keys))))
-    ax = fig.add_subplot()
-    for k, es in tracks.items():
-        if k in row:
-            spans = [(ms(e), max(e["dur"], 0.5) / 1000) for e in es]
-            ax.broken_barh(spans, (row[k] - 0.4, 0.8), facecolors=[colors[e["name"]] for e in es])
-    names = [threads.get(k, f"{procs.get(k[0], k[0])} {k[1]}") for k in keys]
-    ax.set_yticks(range(len(keys)), names, fontsize=8)
-    starts = {e["id"]: e for e in events if e.get("ph") == "s"}
-    arrow = {"arrowstyle": "->", "lw": 0.7, "color": "0.25"}
-    for f in [e for e in events if e.get("ph") == "f"][:300]:
-        s, to = starts.get(f["id"]), row.get((f["pid"], f["tid"]))
-        if s is not None and to is not None and (s["pid"], s["tid"]) in row:
-            frm = (ms(s), row[s["pid"], s["tid"]])
-            ax.annotate("", xy=(ms(f), to), xytext=frm, arrowprops=arrow)
-    ax.invert_yaxis()
-    ax.set(xlabel="ms", title=f"hcqa trace: {len(ranges)} ranges")
-    if top := [n for n, _ in busy.most_common() if isinstance(n, str)][:10]:
-        ax.legend(handles=[Patch(color=colors[n], label=n) for n in top], fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.fspath(out), dpi=100, format="png")
+from hcqa._traceview import PlotInfo, TraceFormatError, load, plot, summarize  # noqa: E402

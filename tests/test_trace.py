@@ -297,3 +297,212 @@ def test_hcqa_trace_env(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     doc = json.loads(path.read_text())
     validate(doc)
     assert any(e["name"] == "copy" for e in doc["traceEvents"])
+
+
+# -- reading damaged or foreign traces ---------------------------------------------------------
+
+MALFORMED = {
+    "no dur": ({"traceEvents": [{"ph": "X", "name": "k", "pid": 2, "tid": 1, "ts": 0}]}, "'dur'"),
+    "text ts": (
+        {"traceEvents": [{"ph": "X", "name": "k", "pid": 2, "tid": 1, "ts": "0", "dur": 1}]},
+        "non-numeric 'ts'",
+    ),
+    "NaN dur": (
+        {"traceEvents": [{"ph": "X", "name": "k", "pid": 2, "tid": 1, "ts": 0, "dur": "NaN"}]},
+        "non-numeric 'dur'",
+    ),
+    "negative dur": (
+        {"traceEvents": [{"ph": "X", "name": "k", "pid": 2, "tid": 1, "ts": 0, "dur": -1}]},
+        "negative 'dur'",
+    ),
+    "flow without id": (
+        {"traceEvents": [{"ph": "s", "name": "w", "pid": 2, "tid": 1, "ts": 0}]},
+        "'id'",
+    ),
+    "event not an object": ({"traceEvents": [3]}, "event 0 is a int"),
+    "nameless name event": (
+        {"traceEvents": [{"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {}}]},
+        "args.name",
+    ),
+    "a list": ([1, 2], "not a Chrome trace"),
+    "no traceEvents": ({"events": []}, "not a Chrome trace"),
+}
+
+
+@pytest.mark.parametrize("action", ["summary", "plot"])
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_trace_is_one_sentence_naming_the_file(
+    case: str, action: str, tmp_path: Path, capsys: Any
+) -> None:
+    doc, what = MALFORMED[case]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc).replace('"NaN"', "NaN"))
+    assert (
+        cli.main(
+            ["trace", action, str(bad), *(["-o", str(tmp_path / "x.png")] * (action == "plot"))]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert str(bad) in err and what in err, err
+    assert "KeyError" not in err and "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [(b"", "not JSON"), (b"{'a': 1}", "not JSON"), (b"\xff\xfe\x00", "not a text file")],
+)
+def test_a_file_that_is_not_json_is_one_sentence(
+    content: bytes, what: str, tmp_path: Path, capsys: Any
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    assert cli.main(["trace", "summary", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(bad) in err and what in err, err
+
+
+def test_a_directory_or_missing_file_is_one_sentence(tmp_path: Path, capsys: Any) -> None:
+    for path, what in ((tmp_path, "Is a directory"), (tmp_path / "none.json", "No such file")):
+        assert cli.main(["trace", "summary", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and str(path) in err and what in err, err
+
+
+def test_summary_checks_a_document_handed_to_it() -> None:
+    with pytest.raises(hcqa.trace.TraceFormatError, match=r"event 0 .* has no 'dur'"):
+        hcqa.trace.summarize({"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "ts": 0}]})
+    assert issubclass(hcqa.trace.TraceFormatError, hcqa.HcqaError)
+
+
+async def test_a_trace_without_device_work_says_so_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "trio-only.json"
+    with Tracer(path):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(trio.sleep, 0)
+    text = hcqa.trace.summarize(json.loads(path.read_text()))
+    assert sum("no device work" in line for line in text.splitlines()) == 1
+    for heading in ("device queues", "programs", "copies"):
+        assert heading not in text.splitlines()
+    assert "trio tasks" in text  # the part that is there is still shown
+
+
+# -- the picture --------------------------------------------------------------------------------
+
+
+def _synthetic(n_flows: int, n_workers: int) -> dict[str, Any]:
+    """Two device queues with ``n_flows`` waits between them, and ``n_workers`` trio tasks all
+    named like the demo's unnamed workers."""
+    ev: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "trio"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "tid": 0, "args": {"name": "cpu:0"}},
+        {"ph": "M", "name": "process_name", "pid": 3, "tid": 0, "args": {"name": "cpu:1"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "cpu:0 compute"}},
+        {"ph": "M", "name": "thread_name", "pid": 3, "tid": 2, "args": {"name": "cpu:1 compute"}},
+    ]
+    for w in range(n_workers):
+        name = "hcqa.demo.drive.<locals>.worker"
+        ev.append(
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 10 + w, "args": {"name": name}}
+        )
+        ev.append(
+            {
+                "ph": "X",
+                "name": name,
+                "cat": "trio",
+                "pid": 1,
+                "tid": 10 + w,
+                "ts": 5.0 * w,
+                "dur": 1.0 + w,
+            }
+        )
+    for i in range(n_flows):
+        t = 100.0 * i
+        ev.append(
+            {"ph": "X", "name": "layers_a", "cat": "device", "pid": 2, "tid": 1, "ts": t, "dur": 40}
+        )
+        ev.append(
+            {
+                "ph": "X",
+                "name": "layers_b",
+                "cat": "device",
+                "pid": 3,
+                "tid": 2,
+                "ts": t + 50,
+                "dur": 40,
+            }
+        )
+        ev.append(
+            {"ph": "s", "name": "wait", "cat": "device", "pid": 2, "tid": 1, "ts": t + 20, "id": i}
+        )
+        ev.append(
+            {
+                "ph": "f",
+                "name": "wait",
+                "cat": "device",
+                "pid": 3,
+                "tid": 2,
+                "ts": t + 70,
+                "id": i,
+                "bp": "e",
+            }
+        )
+    return {"traceEvents": ev}
+
+
+def test_plot_rows_are_readable_and_distinct(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    info = hcqa.trace.plot(_synthetic(3, 8), tmp_path / "p.png", max_tasks=5)
+    # each queue: 3 ranges of 40 us in a trace from 0 to 290 us
+    assert info.rows[:2] == ("cpu:0 compute  41%", "cpu:1 compute  41%")
+    tasks = info.rows[2:]
+    assert len(tasks) == 5 == info.tasks_shown and info.tasks_total == 8
+    assert len(set(tasks)) == len(tasks), tasks  # no two rows read alike
+    assert all("<locals>" not in r and r.startswith("worker (hcqa.demo.drive) #") for r in tasks)
+    assert tasks[0].startswith("worker (hcqa.demo.drive) #8")  # the busiest task first
+    assert "3 quieter trio tasks not shown" in info.title
+    assert info.legend == ("layers_a", "layers_b", "trio task step", "cross-queue wait")
+
+
+@pytest.mark.parametrize(
+    ("flows", "max_flows", "drawn", "said"),
+    [
+        ("sample", 50, 50, "50 of 500 cross-queue waits drawn"),
+        ("sample", 1000, 500, "all 500 cross-queue waits drawn"),
+        ("all", 50, 500, "all 500 cross-queue waits drawn"),
+        ("none", 50, 0, "500 cross-queue waits, none drawn"),
+    ],
+)
+def test_plot_states_its_flow_cap(
+    flows: Any, max_flows: int, drawn: int, said: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    info = hcqa.trace.plot(_synthetic(500, 1), out, flows=flows, max_flows=max_flows)
+    assert (info.flows_drawn, info.flows_total) == (drawn, 500)
+    assert said in info.title
+    assert ("cross-queue wait" in info.legend) == (drawn > 0)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_samples_flows_over_the_whole_trace() -> None:
+    from hcqa._traceview import _pick
+
+    picked = _pick(632, 200)
+    assert len(picked) == 200 and picked[0] == 0 and picked[-1] == 631  # not the first 200
+    assert _pick(5, 200) == [0, 1, 2, 3, 4] and _pick(10, 1) == [0]
+
+
+def test_plot_of_the_real_workload(
+    traced: tuple[Path, dict[str, Any], Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    _, doc, _ = traced
+    info = hcqa.trace.plot(doc, tmp_path / "w.png")
+    queues = {r.rsplit("  ", 1)[0] for r in info.rows}
+    assert {"cpu:0 compute", "cpu:0 copy", "cpu:1 compute", "cpu:1 copy"} <= queues
+    assert {"add1", "double", "transfer"} <= set(info.legend)
+    assert info.flows_total == sum(e["ph"] == "f" for e in doc["traceEvents"]) > 0

@@ -1,0 +1,423 @@
+"""Reading traces back: ``hcqa trace summary`` and ``hcqa trace plot`` (re-exported by trace.py).
+
+Theory of operation
+-------------------
+:func:`load` reads a Chrome Trace Event JSON file and checks every event that the readers
+use (a range needs a numeric ``ts`` and ``dur``, a flow its ``id``, a name event its
+``args.name``) before anything looks at it, so a damaged or foreign file gives one sentence
+naming the file, the event and what is wrong (:class:`TraceFormatError`) rather than a
+``KeyError`` from deep inside a reader. :func:`summarize` and :func:`plot` run the same check
+on documents handed to them directly.
+
+Tracks are ``(pid, tid)`` pairs named by the ``process_name`` / ``thread_name`` metadata; the
+trio process (the one named ``"trio"``, else pid 1) holds a track per task, every other
+process is a device with a track per queue.
+
+:func:`summarize` gives per-queue busy time, per-program counts and times, copy bandwidth and
+the busiest trio tasks, as plain-text tables (``hcqa._console``); a table with no rows is
+left out, and a trace with no device work says so in one line.
+
+:func:`plot` draws one figure: the device queues on top (bars coloured by program, the busy
+share in each label), the busiest trio tasks below (their steps in grey), a time axis in ms or
+s, a legend of the busiest programs, and the signal waits that cross queues as thin, light
+lines *behind* the bars. At most ``max_flows`` of them are drawn, picked evenly over the whole
+trace, and the title says how many of how many. It returns a :class:`PlotInfo` saying what it
+drew, for tests and for the command's one-line report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from hcqa.errors import HcqaError
+
+__all__ = ["PlotInfo", "TraceFormatError", "check", "load", "plot", "summarize"]
+
+Event = dict[str, Any]
+Track = tuple[int, int]
+FlowMode = Literal["sample", "all", "none"]
+
+
+class TraceFormatError(HcqaError, ValueError):
+    """A trace file that is not (or no longer) a Chrome trace hcqa can read."""
+
+
+# -- loading and checking ---------------------------------------------------------------------
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_NEEDS: dict[str, tuple[str, ...]] = {
+    "X": ("pid", "tid", "ts", "dur"),
+    "i": ("pid", "tid", "ts"),
+    "s": ("pid", "tid", "ts", "id"),
+    "f": ("pid", "tid", "ts", "id"),
+}
+_NUMERIC = {"ts", "dur"}
+
+
+def _problem(e: object) -> str | None:
+    """What is wrong with one event, or None."""
+    if not isinstance(e, dict):
+        return f"is a {type(e).__name__}, not an object"
+    ph = e.get("ph")
+    if not isinstance(ph, str):
+        return f"has no 'ph' (got {ph!r})"
+    if ph == "M":
+        args = e.get("args")
+        named = isinstance(args, dict) and isinstance(args.get("name"), str)
+        if e.get("name") in ("process_name", "thread_name") and ("pid" not in e or not named):
+            return "(a name event) has no 'pid' or no 'args.name' string"
+        return None
+    for key in _NEEDS.get(ph, ()):
+        if key not in e:
+            return f"(ph {ph!r}, name {e.get('name')!r}) has no {key!r}"
+        if key in _NUMERIC and not _is_number(e[key]):
+            return f"(ph {ph!r}, name {e.get('name')!r}) has a non-numeric {key!r} ({e[key]!r})"
+    if ph == "X" and e["dur"] < 0:
+        return f"(ph 'X', name {e.get('name')!r}) has a negative 'dur' ({e['dur']!r})"
+    return None
+
+
+def check(doc: object, source: str = "the trace") -> list[Event]:
+    """The events of ``doc``; :class:`TraceFormatError` naming ``source`` if one is unusable."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        what = type(doc).__name__ if not isinstance(doc, dict) else "an object without it"
+        raise TraceFormatError(
+            f"{source} is not a Chrome trace: expected an object with a 'traceEvents' list "
+            f"(got {what})"
+        )
+    events: list[Event] = doc["traceEvents"]
+    for i, e in enumerate(events):
+        problem = _problem(e)
+        if problem is not None:
+            raise TraceFormatError(f"{source} is malformed: event {i} {problem}")
+    return events
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check a trace file (:class:`TraceFormatError` if it is not a usable trace;
+    OSError if it cannot be read)."""
+    source = repr(os.fspath(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(
+            f"{source} is not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{source} is not a text file (not UTF-8)") from None
+    check(doc, source)
+    return doc  # type: ignore[no-any-return]
+
+
+# -- shared by the readers --------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class _View:
+    procs: dict[int, str]
+    threads: dict[Track, str]
+    ranges: list[Event]
+    trio_pid: int
+
+    @property
+    def device(self) -> list[Event]:
+        return [e for e in self.ranges if e["pid"] != self.trio_pid]
+
+    def device_name(self, pid: int) -> str:
+        return self.procs.get(pid, f"pid {pid}")
+
+    def track_name(self, key: Track) -> str:
+        return self.threads.get(key, f"{self.device_name(key[0])} {key[1]}")
+
+    def task_labels(self) -> dict[Track, str]:
+        """Readable, distinct labels of the trio tasks, numbered in the order they started."""
+        keys = sorted({(e["pid"], e["tid"]) for e in self.ranges if e["pid"] == self.trio_pid})
+        return dict(zip(keys, _unique([_short(self.track_name(k)) for k in keys]), strict=True))
+
+
+def _view(doc: Mapping[str, Any]) -> _View:
+    events = check(doc)
+    procs: dict[int, str] = {}
+    threads: dict[Track, str] = {}
+    for e in events:
+        if e["ph"] == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e["ph"] == "M" and e.get("name") == "thread_name":
+            threads[e["pid"], e.get("tid", 0)] = e["args"]["name"]
+    trio_pid = next((p for p, n in procs.items() if n == "trio"), 1)
+    ranges = [e for e in events if e["ph"] == "X"]
+    return _View(procs=procs, threads=threads, ranges=ranges, trio_pid=trio_pid)
+
+
+def _busy(ranges: Sequence[tuple[float, float]]) -> float:
+    """Total time covered by the union of (ts, dur) ranges."""
+    total, end = 0.0, float("-inf")
+    for ts, dur in sorted(ranges):
+        total += max(0.0, ts + dur - max(ts, end))
+        end = max(end, ts + dur)
+    return total
+
+
+_LOCALS = re.compile(r"^(?P<outer>.*?)\.<locals>\.(?P<inner>[^<>]+)$")
+
+
+def _short(name: str) -> str:
+    """A task's name made readable: ``pkg.mod.fn.<locals>.inner`` -> ``inner (pkg.mod.fn)``."""
+    m = _LOCALS.match(name)
+    return f"{m['inner']} ({m['outer']})" if m else name
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000:.3g} ms" if us >= 1000 else f"{us:.3g} us"
+
+
+def _unique(labels: Sequence[str]) -> list[str]:
+    """Labels with repeats numbered (``worker #1``, ``worker #2``) so no two rows read alike."""
+    total = Counter(labels)
+    seen: Counter[str] = Counter()
+    out = []
+    for label in labels:
+        seen[label] += 1
+        out.append(f"{label} #{seen[label]}" if total[label] > 1 else label)
+    return out
+
+
+# -- summary ----------------------------------------------------------------------------------
+
+
+def summarize(doc: Mapping[str, Any], *, max_tasks: int = 8) -> str:
+    """Per-queue busy time, per-program times, copy bandwidth, the busiest trio tasks; text."""
+    from hcqa._console import render, table
+
+    v = _view(doc)
+    if not v.ranges:
+        return "no ranges in this trace: nothing was recorded (was the tracer installed?)"
+    start = min(e["ts"] for e in v.ranges)
+    span = max(e["ts"] + e["dur"] for e in v.ranges) - start
+    dropped = doc.get("otherData", {}).get("dropped_events", 0)
+    head = f"span {span / 1000:.3f} ms, {len(v.ranges)} ranges, {dropped} events dropped"
+    parts: list[Any] = [head]
+    device = v.device
+    if not device:
+        parts.append(
+            "no device work in this trace: only trio task steps were recorded (work done in "
+            "worker processes or outside hcqa devices is not traced)"
+        )
+    tracks: dict[Any, list[tuple[float, float]]] = {}
+    for e in device:  # per queue, and per device (the key is just the pid)
+        for k in ((e["pid"], e["tid"]), e["pid"]):
+            tracks.setdefault(k, []).append((e["ts"], e["dur"]))
+    rows = []
+    for k in sorted(tracks, key=lambda k: (k, 0) if isinstance(k, int) else k):
+        pid, queue = (k, "(all)") if isinstance(k, int) else (k[0], v.track_name(k))
+        busy = _busy(tracks[k])
+        pct = 100 * busy / span if span > 0 else 0.0
+        queue = queue.rpartition(" ")[2]
+        rows.append([v.device_name(pid), queue, f"{busy / 1000:.3f}", f"{pct:.1f}"])
+    programs: dict[tuple[str, str], list[float]] = {}
+    moves: dict[tuple[str, str], list[float]] = {}
+    for e in device:
+        args, dev = e.get("args") or {}, v.device_name(e["pid"])
+        if "bytes" in args:
+            what = f"transfer {args['src']}->{args['dest']}" if "src" in args else None
+            kind = str(what or args.get("kind", e.get("name", "?")))
+            acc = moves.setdefault((kind, dev), [0, 0.0, 0])
+            acc[2] += args["bytes"]
+        else:
+            acc = programs.setdefault((e.get("name", "?"), dev), [0, 0.0])
+        acc[0] += 1
+        acc[1] += e["dur"]
+    program_rows = [
+        [name, dev, int(n), f"{tot / 1000:.3f}", f"{tot / n:.2f}"]
+        for (name, dev), (n, tot) in sorted(programs.items(), key=lambda kv: -kv[1][1])
+    ]
+    copy_rows = [
+        [name, dev, int(n), int(nb), f"{tot / 1000:.3f}", f"{nb / tot / 1e3:.3f}"]
+        for (name, dev), (n, tot, nb) in sorted(moves.items())
+        if tot > 0
+    ]
+    steps: dict[Track, list[float]] = {}
+    for e in v.ranges:
+        if e["pid"] == v.trio_pid:
+            acc = steps.setdefault((e["pid"], e["tid"]), [0, 0.0])
+            acc[0] += 1
+            acc[1] += e["dur"]
+    busiest = sorted(steps.items(), key=lambda kv: -kv[1][1])
+    label = v.task_labels()
+    task_rows = [[label[k], int(n), f"{tot / 1000:.3f}"] for k, (n, tot) in busiest][:max_tasks]
+    shown = f"(the {len(task_rows)} busiest of {len(busiest)})" if len(busiest) > max_tasks else ""
+    for title, headers, body, text in (
+        ("device queues", ["device", "queue", "busy ms", "busy %"], rows, 2),
+        ("programs", ["program", "device", "count", "total ms", "mean us"], program_rows, 2),
+        ("copies", ["copy", "device", "count", "bytes", "total ms", "GB/s"], copy_rows, 2),
+        (f"trio tasks {shown}".strip(), ["task", "steps", "total ms"], task_rows, 1),
+    ):
+        if body:
+            parts.append(table(headers, body, title=title, text_columns=text))
+    return render(*parts)
+
+
+# -- plot -------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PlotInfo:
+    """What :func:`plot` drew: its row labels (top to bottom), the flows, the legend."""
+
+    rows: tuple[str, ...]
+    tasks_shown: int
+    tasks_total: int
+    flows_drawn: int
+    flows_total: int
+    legend: tuple[str, ...]
+    title: str
+
+
+def _flow_pairs(events: Sequence[Event], rows: Mapping[Track, int]) -> list[tuple[Event, Event]]:
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    pairs = []
+    for f in events:
+        if f["ph"] != "f":
+            continue
+        s = starts.get(f["id"])
+        if s is not None and (s["pid"], s["tid"]) in rows and (f["pid"], f["tid"]) in rows:
+            pairs.append((s, f))
+    return pairs
+
+
+def _pick(n: int, cap: int) -> list[int]:
+    """``min(n, cap)`` indices spread evenly over ``range(n)``."""
+    if n <= cap:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(cap - 1, 1)) for i in range(cap)})
+
+
+def plot(
+    doc: Mapping[str, Any],
+    out: str | os.PathLike[str],
+    *,
+    max_tasks: int = 8,
+    flows: FlowMode = "sample",
+    max_flows: int = 200,
+) -> PlotInfo:
+    """Draw a timeline PNG: device queues, then the busiest trio tasks (needs matplotlib).
+
+    ``flows``: ``"sample"`` draws at most ``max_flows`` cross-queue waits, spread over the
+    trace; ``"all"`` draws every one; ``"none"`` draws none. The title says which."""
+    from matplotlib import colormaps
+    from matplotlib.collections import LineCollection
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if flows not in ("sample", "all", "none"):
+        raise ValueError(f"flows must be 'sample', 'all' or 'none' (got {flows!r})")
+    v = _view(doc)
+    events = check(doc)
+    t0 = min((e["ts"] for e in v.ranges), default=0.0)
+    span_us = max((e["ts"] + e["dur"] for e in v.ranges), default=t0) - t0
+    unit, scale = ("s", 1e6) if span_us >= 2e6 else ("ms", 1e3)
+    tracks: dict[Track, list[Event]] = {}
+    for e in v.ranges:
+        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    busy = {k: _busy([(e["ts"], e["dur"]) for e in es]) for k, es in tracks.items()}
+    dev_keys = sorted(k for k in tracks if k[0] != v.trio_pid)
+    all_tasks = sorted((k for k in tracks if k[0] == v.trio_pid), key=lambda k: -busy[k])
+    task_keys = all_tasks[:max_tasks]
+    keys = dev_keys + task_keys
+    row = {k: i for i, k in enumerate(keys)}
+    task_label = v.task_labels()
+    names = [v.track_name(k) for k in dev_keys] + [task_label[k] for k in task_keys]
+    labels = [  # a queue's busy share; a task's time on the loop (its steps are short)
+        f"{name}  {100 * busy[k] / span_us:.0f}%"
+        if k[0] != v.trio_pid and span_us > 0
+        else f"{name}  {_ms(busy[k])}"
+        for name, k in zip(names, keys, strict=True)
+    ]
+
+    by_program: Counter[str] = Counter()
+    for e in v.device:
+        by_program[e.get("name", "?")] += e["dur"]
+    cmap = colormaps["tab10"]
+    colors = {name: cmap(i % 10) for i, (name, _) in enumerate(by_program.most_common())}
+    trio_color = "0.55"
+
+    fig = Figure(figsize=(13, 2.0 + 0.38 * max(1, len(keys))))
+    ax = fig.add_subplot()
+    min_w = span_us * 0.0008 / scale  # a step too short to see still shows as a tick
+    for k, es in tracks.items():
+        if k not in row:
+            continue
+        spans = [((e["ts"] - t0) / scale, max(e["dur"] / scale, min_w)) for e in es]
+        face = [trio_color if k[0] == v.trio_pid else colors[e.get("name", "?")] for e in es]
+        ax.broken_barh(spans, (row[k] - 0.38, 0.76), facecolors=face, linewidth=0, zorder=2)
+    if dev_keys and task_keys:
+        ax.axhline(len(dev_keys) - 0.5, color="0.3", lw=0.8, zorder=3)
+
+    pairs = _flow_pairs(events, row)
+    chosen = [] if flows == "none" else pairs if flows == "all" else [
+        pairs[i] for i in _pick(len(pairs), max_flows)
+    ]
+    if chosen:
+        segs = [
+            [((s["ts"] - t0) / scale, row[s["pid"], s["tid"]]),
+             ((f["ts"] - t0) / scale, row[f["pid"], f["tid"]])]
+            for s, f in chosen
+        ]
+        ax.add_collection(LineCollection(segs, colors="0.1", linewidths=0.5, alpha=0.4,
+                                         zorder=1))
+    if not pairs:
+        flow_note = "no cross-queue waits"
+    elif len(chosen) == len(pairs):
+        flow_note = f"all {len(pairs)} cross-queue waits drawn"
+    elif flows == "none":
+        flow_note = f"{len(pairs)} cross-queue waits, none drawn"
+    else:
+        flow_note = f"{len(chosen)} of {len(pairs)} cross-queue waits drawn, evenly sampled"
+
+    ax.set_yticks(range(len(keys)), labels, fontsize=8)
+    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_xlim(0, max(span_us / scale, 1e-9) * 1.01)
+    ax.set_xlabel(f"time since the trace's first range ({unit})")
+    ax.grid(axis="x", color="0.9", zorder=0)
+    ax.set_axisbelow(True)
+    hidden = len(all_tasks) - len(task_keys)
+    task_note = f"; {hidden} quieter trio tasks not shown" if hidden > 0 else ""
+    title = (
+        f"hcqa trace: {len(dev_keys)} device queues, {len(task_keys)} trio tasks, "
+        f"{len(v.ranges)} ranges over {span_us / scale:.3g} {unit}\n{flow_note}{task_note}"
+    )
+    ax.set_title(title, fontsize=10)
+    top = [name for name, _ in by_program.most_common(10)]
+    handles: list[Any] = [Patch(color=colors[n], label=n) for n in top]
+    if task_keys:
+        handles.append(Patch(color=trio_color, label="trio task step"))
+    if chosen:
+        handles.append(Line2D([], [], color="0.1", lw=0.8, alpha=0.6, label="cross-queue wait"))
+    if handles:
+        ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0),
+                  frameon=False, title="legend", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.fspath(out), dpi=110, format="png")
+    return PlotInfo(
+        rows=tuple(labels),
+        tasks_shown=len(task_keys),
+        tasks_total=len(all_tasks),
+        flows_drawn=len(chosen),
+        flows_total=len(pairs),
+        legend=tuple(h.get_label() for h in handles),
+        title=title,
+    )
