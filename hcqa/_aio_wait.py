@@ -18,6 +18,10 @@ loses a wake-up.
 Cancellation is asyncio's: ``CancelledError`` at the await. The hang limit of a
 device's fence is an ``asyncio.timeout`` around the park, checked for progress like
 the trio path does.
+
+Memory-only producers: the owner also re-reads memory on the backoff timer of
+``_rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 64 ms), exactly as if
+the eventfd had fired.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import math
 from typing import TYPE_CHECKING
 
+from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX
 from hcqa._waiters import Waiter
 from hcqa.errors import SignalTimeout
 
@@ -75,6 +80,7 @@ async def _park(sig: Signal, target: int, observe: bool) -> None:
     waiter.loop = loop
     fd = sig._fd
     reading = False
+    timer: asyncio.TimerHandle | None = None
     try:
         while True:
             fut = waiter.future = loop.create_future()
@@ -88,14 +94,23 @@ async def _park(sig: Signal, target: int, observe: bool) -> None:
                     if sig._outcome(target) and not fut.done():
                         fut.set_result(None)
 
+                def reread(delay: float) -> None:  # memory-only producers (signals.py)
+                    nonlocal timer
+                    readable()
+                    nxt = min(2 * delay, BACKOFF_MAX)
+                    timer = loop.call_later(nxt, reread, nxt)
+
                 loop.add_reader(fd, readable)
                 reading = True
+                timer = loop.call_later(BACKOFF_FIRST, reread, BACKOFF_FIRST)
                 await fut
                 break
             await fut  # woken: the target is reached, or we now own the eventfd
     finally:
         if reading:
             loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
         sig._unregister(waiter)
     if sig.value < target:
         sig._raise_broken(observe)

@@ -26,6 +26,16 @@ an in-process producer writes the value *before* it looks for registered
 waiters (the GIL orders the two). A producer that cannot see the waiter list
 (another process, native code) always writes the eventfd.
 
+Memory-only producers: a device, a DMA engine or a C kernel may write the value
+word and never touch the eventfd. So memory is also re-read on a timer that backs
+off -- first after ``BACKOFF_FIRST`` seconds, then twice as long each time, never
+longer than ``BACKOFF_MAX``: a thread owner by its ``poll`` timeout, a task owner
+by its run's re-reader (``_rereader.py``), which writes the eventfd of a signal
+whose value changed. A value written only to memory is therefore seen within
+``BACKOFF_MAX`` (plus scheduling) however long the wait has lasted, and an idle
+wait costs about ``1 / BACKOFF_MAX`` short wake-ups a second, well below 1 % of a
+core. There is no spin budget at all.
+
 Breaking: a faulted device (or :meth:`Signal.close`) *breaks* a signal with an
 exception. Waiters whose target is already reached return normally; all others
 raise that very exception instance.
@@ -46,6 +56,7 @@ import attrs
 import trio
 
 from hcqa import _aio_wait
+from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX, watch
 from hcqa._slots import PAGE, SLOT, Page, pool
 from hcqa._waiters import DONE, OWN, State, Waiter
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, SignalTimeout
@@ -409,11 +420,16 @@ class Signal:
                     break
                 yielded = True
                 if owner:  # an owner stays one until it leaves: drain until done
-                    while True:
-                        await trio.lowlevel.wait_readable(self._fd)
-                        self._drain()
-                        if self._outcome(target):
-                            break
+                    rereader = watch()  # memory-only writes reach the eventfd through it
+                    rereader.add(self)
+                    try:
+                        while True:
+                            await trio.lowlevel.wait_readable(self._fd)
+                            self._drain()
+                            if self._outcome(target):
+                                break
+                    finally:
+                        rereader.remove(self)
                     break
                 waiter.parked = True
                 try:
@@ -443,6 +459,7 @@ class Signal:
             self._raise_broken()
         deadline = None if timeout is None else time.monotonic() + timeout
         waiter = Waiter(target, trio_task=False)
+        delay = BACKOFF_FIRST
         try:
             owner = False
             while True:
@@ -461,9 +478,11 @@ class Signal:
                         seen=now,
                     )
                 if owner:  # an owner stays one until it leaves
-                    ms = -1 if remaining is None else max(1, math.ceil(remaining * 1000))
-                    if self._poll(ms):
-                        self._drain()
+                    # the eventfd, or memory re-read on the backoff timer (see the module doc)
+                    wait = delay if remaining is None else min(delay, remaining)
+                    self._poll(max(1, math.ceil(wait * 1000)))
+                    delay = min(2 * delay, BACKOFF_MAX)
+                    self._drain()
                     continue
                 assert waiter.lock is not None
                 waiter.lock.acquire(timeout=-1 if remaining is None else remaining)
@@ -480,14 +499,16 @@ class Signal:
         value is read); :meth:`_break` ends the wait with its error."""
         self._alone = True
         value = self._value
+        delay = BACKOFF_FIRST
         while value.value < target:
             if self._broken is not None:
                 self._raise_broken()
-            self._poll(-1)
+            self._poll(math.ceil(delay * 1000))  # memory re-read on the backoff timer too
+            delay = min(2 * delay, BACKOFF_MAX)
             self._drain()
 
     def _poll(self, ms: int) -> bool:
-        """A thread that owns the eventfd sleeps on it, up to ``ms`` (-1: no limit); True
+        """A thread that owns the eventfd sleeps on it, up to ``ms`` milliseconds; True
         when it fired. Only the owner polls, so one poll object serves every thread in
         turn."""
         poller = self._poller

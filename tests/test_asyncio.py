@@ -534,3 +534,25 @@ def test_open_asyncio_host_refuses_trio_and_a_second_host() -> None:
                     pass
 
     run(twice)
+
+
+def test_memory_only_write_wakes_an_asyncio_owner_within_100ms() -> None:
+    # an asyncio task owning the eventfd re-reads memory on the backoff timer too
+    import ctypes
+
+    async def main() -> float:
+        s = Signal()
+        waiting = asyncio.ensure_future(s.wait(2))
+        await asyncio.sleep(0.5)  # the idle stretch under test: the backoff reaches its cap
+        assert not waiting.done()
+        written = time.monotonic()
+        ctypes.c_uint64.from_address(s.address).value = 2  # memory only, no eventfd
+        await asyncio.wait_for(waiting, TIMEOUT)
+        late = time.monotonic() - written
+        stats = s.statistics()
+        assert (stats.waiters, stats.owner) == (0, "none")
+        s.close()
+        return late
+
+    late = run(main)
+    assert late < 0.1, late

@@ -580,8 +580,11 @@ async def test_closing_transfer_source_device_waits_for_the_transfer() -> None:
     async def open_gate_when_stuck() -> None:
         # let the transfer run once d1's close is over (and the test waits on the fence), or,
         # once fixed, when d1's close has waited on the transfer for a good while
+        # (the run is never quiet for long while a task owns a signal's eventfd -- the
+        # signal re-reader ticks every <= 64 ms -- so a stretch of 0.25 s after quiescence)
         for _ in range(4):
-            await trio.testing.wait_all_tasks_blocked(cushion=0.25)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(0.25)
             if state[0] == "closed":
                 break
         gate.value = 1
@@ -637,7 +640,8 @@ async def main():
             await trio.testing.wait_all_tasks_blocked()
             async def open_gate_when_stuck():
                 for _ in range(4):
-                    await trio.testing.wait_all_tasks_blocked(cushion=0.25)
+                    await trio.testing.wait_all_tasks_blocked()
+                    await trio.sleep(0.25)
                     if state[0] == "closed":
                         break
                 gate.value = 1

@@ -1285,3 +1285,124 @@ def test_a_sole_thread_waiter_is_woken_by_producers_here_and_ended_by_a_break() 
     end = got.get(timeout=5)
     assert isinstance(end, DeviceClosed) and "stopping" in str(end)
     sig.close()
+
+
+# -- memory-only producers (issue 17) --------------------------------------------------------
+
+MEMORY_ONLY_WAKE = 0.1  # the contract: a value written only to memory is seen within 100 ms
+
+
+def _write_memory_only(sig: Signal, value: int) -> None:
+    """What a device or a C kernel that forgets the eventfd does: the value word only."""
+    ctypes.c_uint64.from_address(sig.address).value = value
+
+
+async def test_memory_only_write_wakes_owner_and_parked_waiters_within_100ms() -> None:
+    # an owner task, a parked task and a parked thread; the waits have lasted long enough
+    # (0.5 s) for the backoff to reach its ceiling, then the value is written to memory only
+    sig = Signal()
+    woke: dict[str, float] = {}
+
+    async def task_waiter(key: str) -> None:
+        await sig.wait(3)
+        woke[key] = time.monotonic()
+
+    def thread_waiter() -> None:
+        sig.wait_sync(3, timeout=TIMEOUT)
+        woke["thread"] = time.monotonic()
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(task_waiter, "owner")
+            await wait_all_tasks_blocked()
+            nursery.start_soon(task_waiter, "parked")
+            await wait_all_tasks_blocked()
+            thread = spawn(thread_waiter)
+            await wait_until(lambda: sig.statistics().waiters == 3)
+            assert sig.statistics().owner == "task"
+            await trio.sleep(0.5)  # the idle stretch under test, not synchronisation
+            assert woke == {}
+            written = time.monotonic()
+            _write_memory_only(sig, 3)
+        await ajoin(thread)
+    assert sorted(woke) == ["owner", "parked", "thread"]
+    late = {k: round(t - written, 4) for k, t in woke.items()}
+    assert all(d < MEMORY_ONLY_WAKE for d in late.values()), late
+    idle(sig)
+
+
+def test_memory_only_write_wakes_a_wait_sync_owner_within_100ms() -> None:
+    sig = Signal()
+    woke: list[float] = []
+
+    def waiter() -> None:
+        sig.wait_sync(1, timeout=TIMEOUT)
+        woke.append(time.monotonic())
+
+    thread = spawn(waiter)
+    deadline = time.monotonic() + TIMEOUT
+    while sig.statistics().owner != "thread":
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.5)  # the idle stretch under test: the backoff reaches its ceiling
+    assert woke == []
+    written = time.monotonic()
+    _write_memory_only(sig, 1)
+    join(thread)
+    assert woke[0] - written < MEMORY_ONLY_WAKE, woke[0] - written
+    idle(sig)
+
+
+def test_memory_only_write_wakes_a_lone_thread_waiter_within_100ms() -> None:
+    sig = Signal()
+    woke: list[float] = []
+
+    def waiter() -> None:
+        sig._wait_alone(1)
+        woke.append(time.monotonic())
+
+    thread = spawn(waiter)
+    time.sleep(0.5)
+    assert woke == []
+    written = time.monotonic()
+    _write_memory_only(sig, 1)
+    join(thread)
+    assert woke[0] - written < MEMORY_ONLY_WAKE, woke[0] - written
+
+
+async def test_memory_only_write_reaches_a_queue_wait() -> None:
+    # the actor's Wait is a signal wait too: a memory-only producer releases the queue
+    from hcqa import open_device
+
+    async with open_device("cpu:0") as d0:
+        sig = Signal()
+        q = d0.compute_queue().wait(sig, 1)
+        with trio.fail_after(TIMEOUT):
+            fence = q.submit()
+            await wait_all_tasks_blocked()
+            _write_memory_only(sig, 1)
+            await fence
+    sig.close()
+
+
+async def test_rereader_timer_backs_off_and_parks_when_nothing_is_watched() -> None:
+    # the re-reader ticks ~1/BACKOFF_MAX times a second while a task owns an eventfd, and
+    # not at all once nobody does
+    from hcqa import _rereader
+
+    sig = Signal()
+    with trio.move_on_after(0.5):
+        await sig.wait(1)
+    rereader = _rereader.watch()
+    first, ceiling = _rereader.BACKOFF_FIRST, _rereader.BACKOFF_MAX
+    assert 0.001 <= first <= ceiling <= 0.075  # leaves >= 25 ms of the 100 ms for scheduling
+    steps, d = 0, first
+    while d < ceiling:  # doubling from `first` to the ceiling, then the ceiling
+        steps += 1
+        d *= 2
+    ticks = rereader.ticks
+    assert 1 <= ticks <= steps + 0.5 / ceiling + 2, ticks
+    assert rereader.watched == {}
+    await trio.sleep(3 * ceiling)  # an idle stretch: the re-reader must not tick
+    assert rereader.ticks <= ticks + 1  # (one tick may have been due as the wait ended)
+    idle(sig)
