@@ -12,22 +12,32 @@ add and the ReLU in place, so it allocates nothing per call. A second, one-stage
 every layer on ``cpu:0``: the sequential single-device baseline for the same work, at the same
 depth, so the only difference is the number of devices.
 
-BLAS is held to one thread (``threadpoolctl.threadpool_limits(1)``) for the whole run, so the
+BLAS is held to one thread (``threadpoolctl.threadpool_limits(1)``, the extra ``hcqa[demo]``;
+without it the demo says so) for the whole run, so the
 devices -- each with its own engine thread -- are the unit of parallelism, and two stages on
 two devices can approach 2x the sequential throughput on two cores.
 
-``drive`` keeps ``depth`` worker tasks pulling microbatch indices, so exactly ``depth``
-microbatches are in flight and every completion ticks the progress bar (stderr, ``\\r``,
-only on a tty). The two pipelines are timed A B B A (each runs half the batches early and half
-late), so a drift in the host's load -- shared machines vary a lot -- hits both alike.
+``drive`` keeps ``depth`` worker tasks (named ``"pipeline 1-64 worker 2"``, so a trace reads
+well) pulling microbatch indices, so exactly ``depth`` microbatches are in flight and every
+completion ticks the progress bar (rich, on stderr, only on a tty). Both sides are warmed up
+with ``2 * depth`` microbatches first (fresh slots and pages, BLAS's first calls), then timed
+A B B A (each runs half the batches early and half late), so a drift in the host's load --
+shared machines vary a lot -- hits both alike. :func:`verdict` turns the two times into one
+line: too short to judge (under half a second a side), a win, or the likeliest reason for a
+loss (one core, BLAS not limited, a busy host, hand-offs costing more than the overlap).
+
+``--processes`` runs the two stages in worker processes (``hcqa.workers``); its baseline is the
+same one-stage pipeline on a ``cpu:0`` device of this process, so it runs on an engine thread
+(never on the event loop) and shows in the trace, while the workers' own runs do not (the
+tracer sees this process only, and the output says so).
 
 Every output of the pipeline is compared with the sequential run's, and a sample with a numpy
 reference computed on the host by the same kernel code; the largest absolute error against
 numpy is reported and a mismatch exits with status 1.
 
-The whole run is one ``trio.run``; :class:`hcqa.Tracer` is
-installed as an instrument and writes a Chrome trace (``--trace``, else ``$HCQA_TRACE``, else
-``hcqa-demo-trace.json``; read it with ``hcqa trace summary`` or https://ui.perfetto.dev).
+The whole run is one ``trio.run``; :class:`hcqa.Tracer` is installed as an instrument and
+writes a Chrome trace (``--trace PATH``, else ``$HCQA_TRACE``, else ``hcqa-demo-trace.json``;
+``--no-trace`` for none; read it with ``hcqa trace summary|plot`` or https://ui.perfetto.dev).
 :mod:`bench.bench_pipeline` reuses the building blocks here for its timed comparison.
 """
 
@@ -41,7 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -49,11 +59,14 @@ import trio
 
 import hcqa
 
+if TYPE_CHECKING:
+    from hcqa._console import Bar
+
 __all__ = [
     "FULL",
     "QUICK",
     "MlpSpec",
-    "Progress",
+    "Timed",
     "build_pipelines",
     "configure",
     "drive",
@@ -62,7 +75,10 @@ __all__ = [
     "make_weights",
     "mlp_kernel",
     "run",
+    "run_processes",
+    "run_threads",
     "save_weights",
+    "verdict",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -151,31 +167,6 @@ def mlp_stage(
     return stage
 
 
-async def drive_processes(
-    spec: MlpSpec,
-    path: str,
-    layout: Layout,
-    depth: int,
-    xs: Sequence[F32],
-    on_result: Callable[[], None] | None = None,
-) -> tuple[list[F32], float, str]:
-    """The same two stages, each in its own worker process (``hcqa.workers``)."""
-    from hcqa.workers import ProcessStage, open_process_pipeline
-
-    half = spec.layers // 2
-    b, h = spec.batch_size, spec.hidden
-    common = {"path": path, "layout": [list(x) for x in layout], "batch": b, "hidden": h}
-    stages = [
-        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": 0, "last": half}),
-        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": half, "last": spec.layers}),
-    ]
-    async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
-        await pipe(xs[0])  # warm-up
-        results, elapsed = await drive(pipe, xs, on_result)
-        pids = ", ".join(str(w.pid) for w in pipe.workers)
-    return results, elapsed, f"2 worker processes (pids {pids})"
-
-
 async def load_params(
     device: hcqa.Device, path: str, layout: Layout, layers: range, hidden: int
 ) -> tuple[hcqa.Buffer, ...]:
@@ -222,8 +213,12 @@ async def drive(
     pipe: hcqa.Pipeline | hcqa.ProcessPipeline,
     xs: Sequence[F32],
     on_result: Callable[[], None] | None = None,
+    *,
+    label: str = "drive",
 ) -> tuple[list[F32], float]:
-    """Run every ``x`` through ``pipe`` with ``depth`` in flight; (outputs, wall seconds)."""
+    """Run every ``x`` through ``pipe`` with ``depth`` in flight; (outputs, wall seconds).
+
+    The worker tasks are named ``"{label} worker k"``, so a trace shows which run they served."""
     results: list[Any] = [None] * len(xs)
     indices: Iterator[int] = iter(range(len(xs)))
 
@@ -236,8 +231,8 @@ async def drive(
     start = time.perf_counter()
     try:
         async with trio.open_nursery() as nursery:
-            for _ in range(min(pipe.depth, len(xs))):
-                nursery.start_soon(worker)
+            for k in range(min(pipe.depth, len(xs))):
+                nursery.start_soon(worker, name=f"{label} worker {k + 1}")
     except BaseExceptionGroup as group:  # the workers fail alike: raise one, unwrapped
         raise _first_leaf(group) from None
     return results, time.perf_counter() - start
@@ -249,42 +244,163 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-class Progress:
-    """A one-line progress bar on a tty (``\\r`` redraws); silent when disabled."""
+@dataclass(frozen=True)
+class Timed:
+    """What a demo run measured: both sides' outputs and seconds, and what each side was."""
 
-    def __init__(self, stream: TextIO, enabled: bool, width: int = 30) -> None:
-        self.stream, self.enabled, self.width = stream, enabled, width
-        self.label, self.total, self.done, self.start = "", 0, 0, 0.0
-
-    def begin(self, label: str, total: int) -> None:
-        self.label, self.total, self.done, self.start = label, total, 0, time.perf_counter()
-
-    def relabel(self, label: str) -> None:
-        self.label = label
-        self._draw()
-
-    def advance(self) -> None:
-        self.done += 1
-        self._draw()
-
-    def end(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * (self.width + len(self.label) + 30) + "\r")
-            self.stream.flush()
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        secs = time.perf_counter() - self.start
-        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {secs:5.1f} s")
-        self.stream.flush()
+    got: list[F32]  # the pipeline's outputs
+    want: list[F32]  # the 1-device run's outputs
+    t_pipe: float
+    t_seq: float
+    pipe_label: str  # "pipeline, 2 devices" / "pipeline, 2 worker processes"
+    seq_label: str
+    pipe_desc: str
 
 
-def _tracer(path: str) -> tuple[list[trio.abc.Instrument], str]:
-    """([the Tracer instrument], how the trace is reported)."""
-    return [hcqa.Tracer(path)], f"trace: {path} (hcqa trace summary {path}; or ui.perfetto.dev)"
+async def _timed(
+    pipe: hcqa.Pipeline | hcqa.ProcessPipeline,
+    seq: hcqa.Pipeline,
+    xs: Sequence[F32],
+    bar: Bar,
+    warm: int,
+) -> tuple[list[F32], list[F32], float, float]:
+    """Warm both sides up, then time them A B B A; (pipe outs, seq outs, pipe s, seq s)."""
+    bar.describe("warming up")
+    for name, p in (("pipeline", pipe), ("sequential", seq)):
+        await drive(p, xs[:warm], bar.advance, label=f"warm-up {name}")
+    # A B B A: each side runs half the batches early and half late, so a drift in the host's
+    # load (shared machines vary a lot) hits both alike.
+    cut = len(xs) // 2
+    sides = {"pipeline": pipe, "sequential": seq}
+    outs: dict[str, list[F32]] = {"pipeline": [], "sequential": []}
+    secs = {"pipeline": 0.0, "sequential": 0.0}
+    for name, lo, hi in (
+        ("pipeline", 0, cut),
+        ("sequential", 0, cut),
+        ("sequential", cut, len(xs)),
+        ("pipeline", cut, len(xs)),
+    ):
+        bar.describe(f"{name} {lo + 1}-{hi}")
+        got, t = await drive(sides[name], xs[lo:hi], bar.advance, label=f"{name} {lo + 1}-{hi}")
+        outs[name] += got
+        secs[name] += t
+    return outs["pipeline"], outs["sequential"], secs["pipeline"], secs["sequential"]
+
+
+async def run_threads(
+    spec: MlpSpec, path: str, layout: Layout, depth: int, xs: Sequence[F32], bar: Bar, warm: int
+) -> Timed:
+    """The two stages on cpu:0 and cpu:1 against every layer on cpu:0, in this process."""
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
+        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm)
+    return Timed(
+        got=got,
+        want=want,
+        t_pipe=t_pipe,
+        t_seq=t_seq,
+        pipe_label="pipeline, 2 devices",
+        seq_label="sequential, 1 device",
+        pipe_desc=repr(pipe),
+    )
+
+
+async def run_processes(
+    spec: MlpSpec, path: str, layout: Layout, depth: int, xs: Sequence[F32], bar: Bar, warm: int
+) -> Timed:
+    """The same two stages, each in its own worker process (``hcqa.workers``), against every
+    layer on one device (cpu:0) of this process -- run on its engine thread, so the baseline
+    never blocks the event loop, and it shows in the trace."""
+    from hcqa.workers import ProcessStage, open_process_pipeline
+
+    half = spec.layers // 2
+    b, h = spec.batch_size, spec.hidden
+    common = {"path": path, "layout": [list(x) for x in layout], "batch": b, "hidden": h}
+    stages = [
+        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": 0, "last": half}),
+        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": half, "last": spec.layers}),
+    ]
+    async with hcqa.open_device("cpu:0") as d0:
+        params = await load_params(d0, path, layout, range(spec.layers), h)
+        whole = hcqa.Stage(
+            device=d0, program=mlp_kernel(spec.layers, b, h), params=params, name="mlp"
+        )
+        seq = hcqa.Pipeline([whole], in_shape=(b, h), depth=depth)
+        async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
+            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm)
+            pids = ", ".join(str(w.pid) for w in pipe.workers)
+    return Timed(
+        got=got,
+        want=want,
+        t_pipe=t_pipe,
+        t_seq=t_seq,
+        pipe_label="pipeline, 2 worker processes",
+        seq_label="sequential, 1 device (cpu:0)",
+        pipe_desc=f"2 worker processes (pids {pids})",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the verdict
+
+MIN_SECONDS = 0.5  # per side: below this the timings are mostly fixed costs and noise
+
+
+def verdict(
+    *,
+    t_pipe: float,
+    t_seq: float,
+    cores: int,
+    load: float | None,
+    blas_limited: bool,
+    processes: bool = False,
+) -> str:
+    """One line saying what the speedup means: too short to judge, a win, or why it lost."""
+    speedup = t_seq / t_pipe if t_pipe > 0 else float("inf")
+    if min(t_pipe, t_seq) < MIN_SECONDS:
+        return (
+            f"verdict: too short to judge ({t_pipe * 1e3:.0f} ms vs {t_seq * 1e3:.0f} ms, under "
+            f"{MIN_SECONDS} s a side: fixed costs and noise dominate); run without --quick or "
+            "with more --batches"
+        )
+    if speedup >= 1.0:
+        return (
+            f"verdict: the pipeline did {speedup:.2f}x the 1-device throughput (two equal "
+            "stages on two free cores can approach 2x)"
+        )
+    hop = "worker processes" if processes else "devices"
+    if cores < 2:
+        why = f"only {cores} core is available to this process, so the two stages cannot overlap"
+    elif not blas_limited:
+        why = (
+            "BLAS threads are not limited (pip install 'hcqa[demo]'), so the 1-device run "
+            "already used several cores"
+        )
+    elif load is not None and load > cores:
+        why = (
+            f"the host is busy (1-minute load average {load:.1f} on {cores} cores), so the two "
+            "stages competed with other work for the cores"
+        )
+    else:
+        why = (
+            f"handing each microbatch between {hop} cost more than the overlap saved at this "
+            "size; try a larger --batch-size or --hidden"
+        )
+    return f"verdict: the pipeline lost ({speedup:.2f}x): {why}"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,10 +422,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-progress", action="store_true", help="no progress bar (off anyway if not a tty)")
     add("--workdir", help="where to write the weights file (default: a temporary directory)")
-    add(
+    trace = parser.add_mutually_exclusive_group()
+    trace.add_argument(
         "--trace",
+        metavar="PATH",
         help="Chrome trace file to write (default: $HCQA_TRACE, else hcqa-demo-trace.json)",
     )
+    trace.add_argument("--no-trace", action="store_true", help="write no trace")
 
 
 def _spec(args: argparse.Namespace) -> MlpSpec:
@@ -332,119 +451,101 @@ def _spec(args: argparse.Namespace) -> MlpSpec:
     return spec
 
 
-def _one_blas_thread() -> tuple[contextlib.AbstractContextManager[object], str]:
-    """(a context holding BLAS to one thread, how the pipeline line says so).
+def _one_blas_thread() -> tuple[contextlib.AbstractContextManager[object], bool]:
+    """(a context holding BLAS to one thread, whether it does).
 
     threadpoolctl is the optional extra ``hcqa[demo]``; without it BLAS keeps its own pool,
     which competes with the devices for the cores, and the demo says so."""
     try:
         from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
     except ImportError:
-        note = "BLAS threads NOT limited (pip install 'hcqa[demo]' adds threadpoolctl)"
-        return contextlib.nullcontext(), note
-    return threadpool_limits(1), "BLAS limited to 1 thread per device"
+        return contextlib.nullcontext(), False
+    return threadpool_limits(1), True
 
 
 def run(args: argparse.Namespace) -> int:
+    from hcqa._console import progress
+
     spec = _spec(args)
     out = sys.stdout
-    bar = Progress(sys.stderr, enabled=not args.no_progress and sys.stderr.isatty())
     mib = 4 * spec.layers * (spec.hidden + 1) * spec.hidden / 2**20
     out.write(
         f"hcqa demo: {spec.layers}-layer MLP, hidden {spec.hidden}, float32, "
         f"{spec.batches} microbatches of {spec.batch_size} rows\n"
     )
+    trace_path = None
+    if not args.no_trace:
+        trace_path = args.trace or os.environ.get("HCQA_TRACE") or "hcqa-demo-trace.json"
+    instruments: list[trio.abc.Instrument] = [hcqa.Tracer(trace_path)] if trace_path else []
     weights, xs = make_weights(spec), make_inputs(spec)
+    warm = min(spec.batches, 2 * args.depth)  # fills the pipeline, touches every slot
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="hcqa-"))
         os.makedirs(workdir, exist_ok=True)
         path = os.path.join(workdir, "mlp-weights.bin")
         layout = save_weights(weights, path)
         out.write(f"  weights: {mib:.1f} MiB written to {path}, loaded with Buffer.load\n")
-        instruments, trace_note = _tracer(
-            args.trace or os.environ.get("HCQA_TRACE") or "hcqa-demo-trace.json"
-        )
-
-        async def main() -> tuple[list[F32], list[F32], float, float, str]:
-            if args.processes:
-                return await main_processes()
-            async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-                pipe, seq = await build_pipelines(d0, d1, spec, path, layout, args.depth)
-                for p in (pipe, seq):  # warm-up: first calls touch fresh memory
-                    await p(xs[0])
-                # A B B A: each side runs half the batches early and half late, so a drift
-                # in the host's load hits both alike.
-                cut = spec.batches // 2
-                pipes = {"pipeline": pipe, "sequential": seq}
-                outs: dict[str, list[F32]] = {"pipeline": [], "sequential": []}
-                secs = {"pipeline": 0.0, "sequential": 0.0}
-                bar.begin("", 2 * spec.batches)
-                try:
-                    for name, lo, hi in (
-                        ("pipeline", 0, cut),
-                        ("sequential", 0, cut),
-                        ("sequential", cut, spec.batches),
-                        ("pipeline", cut, spec.batches),
-                    ):
-                        bar.relabel(f"{name} {lo + 1}-{hi}".ljust(20))
-                        got, t = await drive(pipes[name], xs[lo:hi], bar.advance)
-                        outs[name] += got
-                        secs[name] += t
-                finally:
-                    bar.end()
-                return (
-                    outs["pipeline"],
-                    outs["sequential"],
-                    secs["pipeline"],
-                    secs["sequential"],
-                    repr(pipe),
-                )
-
-        async def main_processes() -> tuple[list[F32], list[F32], float, float, str]:
-            bar.begin("processes".ljust(20), spec.batches)
-            try:
-                got, t_pipe, desc = await drive_processes(
-                    spec, path, layout, args.depth, xs, bar.advance
-                )
-            finally:
-                bar.end()
-            kernel = mlp_kernel(spec.layers, spec.batch_size, spec.hidden)
-            want = []
-            start = time.perf_counter()
-            for x in xs:  # sequential: one process, every layer (numpy, 1 BLAS thread)
-                ref = np.empty_like(x)
-                kernel(ref, x, *weights)
-                want.append(ref)
-            return got, want, t_pipe, time.perf_counter() - start, desc
-
-        blas, blas_note = _one_blas_thread()
-        with blas:
-            got, want, t_pipe, t_seq, desc = trio.run(main, instruments=instruments)
-            half = spec.layers // 2
-            where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
-            out.write(
-                f"  pipeline: {desc}: {where[0]} runs layers 1-{half}, {where[1]} layers "
-                f"{half + 1}-{spec.layers}; {blas_note}\n"
+        out.flush()
+        blas, blas_limited = _one_blas_thread()
+        steps = 2 * (warm + spec.batches)
+        with blas, progress("starting", steps, enabled=not args.no_progress) as bar:
+            body = run_processes if args.processes else run_threads
+            timed = trio.run(
+                body, spec, path, layout, args.depth, xs, bar, warm, instruments=instruments
             )
+        half = spec.layers // 2
+        where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
+        blas_note = (
+            "BLAS limited to 1 thread per device"
+            if blas_limited
+            else "BLAS threads NOT limited (pip install 'hcqa[demo]' adds threadpoolctl)"
+        )
+        out.write(
+            f"  pipeline: {timed.pipe_desc}: {where[0]} runs layers 1-{half}, {where[1]} layers "
+            f"{half + 1}-{spec.layers}; {blas_note}\n"
+        )
+        with blas:
             sample = sorted({*range(0, spec.batches, max(1, spec.batches // 8)), spec.batches - 1})
             kernel = mlp_kernel(spec.layers, spec.batch_size, spec.hidden)
             errors: list[float] = []
             for i in sample:
                 ref = np.empty_like(xs[i])
                 kernel(ref, xs[i], *weights)
-                errors.append(float(np.max(np.abs(got[i] - ref))))
-        worst = max(errors)
-        scale = max(1.0, max(float(np.max(np.abs(g))) for g in got))
-        ok = worst <= 1e-4 * scale and all(
-            np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True)
+                errors.append(float(np.max(np.abs(timed.got[i] - ref))))
+    got, want = timed.got, timed.want
+    worst = max(errors)
+    scale = max(1.0, max(float(np.max(np.abs(g))) for g in got))
+    ok = worst <= 1e-4 * scale and all(
+        np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want, strict=True)
+    )
+    out.write(
+        f"  check: {len(sample)} outputs vs numpy, max abs error {worst:.3g}; all "
+        f"{spec.batches} vs the 1-device run: {'ok' if ok else 'WRONG'}\n"
+    )
+    width = max(len(timed.pipe_label), len(timed.seq_label))
+    for name, secs in ((timed.pipe_label, timed.t_pipe), (timed.seq_label, timed.t_seq)):
+        out.write(f"  {name:<{width}}: {secs:7.3f} s  {spec.batches / secs:8.1f} microbatches/s\n")
+    out.write(f"  speedup: {timed.t_seq / timed.t_pipe:.2f}x (sequential time / pipeline time)\n")
+    line = verdict(
+        t_pipe=timed.t_pipe,
+        t_seq=timed.t_seq,
+        cores=_cores(),
+        load=_load(),
+        blas_limited=blas_limited,
+        processes=args.processes,
+    )
+    out.write(f"  {line}\n")
+    if trace_path is None:
+        out.write("  trace: not written (--no-trace)\n")
+    else:
+        note = (
+            " (the stages ran in worker processes, which this trace does not see; it holds "
+            "the 1-device run and this process's tasks)"
+            if args.processes
+            else ""
         )
-        verdict = "ok" if ok else "WRONG"
         out.write(
-            f"  check: {len(sample)} outputs vs numpy, max abs error {worst:.3g}; all "
-            f"{spec.batches} vs the 1-device run: {verdict}\n"
+            f"  trace: {trace_path}{note}; read it with hcqa trace summary {trace_path}, "
+            "hcqa trace plot, or ui.perfetto.dev\n"
         )
-        for name, secs in (("pipeline, 2 devices ", t_pipe), ("sequential, 1 device", t_seq)):
-            out.write(f"  {name}: {secs:7.3f} s  {spec.batches / secs:8.1f} microbatches/s\n")
-        out.write(f"  speedup: {t_seq / t_pipe:.2f}x (sequential time / pipeline time)\n")
-        out.write(f"  {trace_note}\n")
     return 0 if ok else 1

@@ -224,7 +224,7 @@ class Pipeline:
         async with trio.open_nursery() as nursery:
             for i, arr in enumerate(arrays):
                 await self._limit.acquire()
-                nursery.start_soon(one, i, arr, nursery.cancel_scope)
+                nursery.start_soon(one, i, arr, nursery.cancel_scope, name=f"Pipeline.map item {i}")
         if len(errors) == 1:
             raise errors[0]
         if errors:

@@ -451,8 +451,8 @@ async def open_process_pipeline(
                         eventfds = [await pipe._connect(w) for w in pipe.workers]
                         await pipe._mesh(eventfds)
                         for w in pipe.workers:
-                            nursery.start_soon(pipe._watch, w)
-                            nursery.start_soon(pipe._watch_exit, w)
+                            nursery.start_soon(pipe._watch, w, name=f"worker {w.index} watch")
+                            nursery.start_soon(pipe._watch_exit, w, name=f"worker {w.index} exit")
                         yield pipe
                     except BaseException as exc:
                         error = exc

@@ -1,0 +1,100 @@
+"""``hcqa demo``: its verdict line, its trace options, and an honest ``--processes`` mode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hcqa import demo
+from hcqa.cli import main as cli_main
+
+V = {"cores": 2, "load": 0.5, "blas_limited": True}
+
+
+@pytest.mark.parametrize(
+    ("kw", "expect"),
+    [
+        ({"t_pipe": 0.007, "t_seq": 0.006}, "verdict: too short to judge (7 ms vs 6 ms"),
+        ({"t_pipe": 0.2, "t_seq": 0.9}, "too short to judge"),  # a win, but too short to count
+        ({"t_pipe": 2.0, "t_seq": 3.2}, "verdict: the pipeline did 1.60x the 1-device"),
+        ({"t_pipe": 2.0, "t_seq": 2.0}, "verdict: the pipeline did 1.00x"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "cores": 1}, "lost (0.90x): only 1 core is available"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "blas_limited": False}, "BLAS threads are not limited"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "load": 3.6}, "the host is busy (1-minute load average 3.6"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "load": None}, "handing each microbatch between devices"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "processes": True}, "between worker processes"),
+    ],
+)
+def test_the_verdict_says_what_the_speedup_means(kw: dict[str, Any], expect: str) -> None:
+    line = demo.verdict(**{**V, **kw})
+    assert expect in line and "\n" not in line
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli_main(["demo", "--quick", "--no-progress", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_quick_run_says_it_is_too_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run(["--trace", str(tmp_path / "t.json"), "--workdir", str(tmp_path)], capsys)
+    (line,) = [line for line in out.splitlines() if "verdict:" in line]
+    assert "too short to judge" in line and "--quick" in line
+    assert "speedup:" in out
+
+
+def test_no_trace_writes_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HCQA_TRACE", str(tmp_path / "env.json"))
+    out = _run(["--no-trace", "--workdir", str(tmp_path / "w")], capsys)
+    assert "trace: not written (--no-trace)" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+def test_trace_goes_where_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HCQA_TRACE", raising=False)
+    where = tmp_path / "sub" / "mine.json"
+    where.parent.mkdir()
+    out = _run(["--trace", str(where), "--workdir", str(tmp_path / "w")], capsys)
+    assert f"trace: {where};" in out and where.stat().st_size > 0
+    assert not (tmp_path / "hcqa-demo-trace.json").exists()
+    names = {e.get("args", {}).get("name") for e in json.loads(where.read_text())["traceEvents"]}
+    assert {"pipeline 1-4 worker 1", "sequential 5-8 worker 1"} <= names  # named tasks
+
+
+def test_trace_and_no_trace_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["demo", "--quick", "--trace", "x.json", "--no-trace"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_without_threadpoolctl_the_demo_runs_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)
+    out = _run(["--no-trace", "--workdir", str(tmp_path)], capsys)
+    assert "BLAS threads NOT limited (pip install 'hcqa[demo]'" in out and ": ok" in out
+
+
+def test_processes_mode_is_honest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It says what ran, and its 1-device baseline runs on a device (in the trace, off the
+    event loop) instead of blocking the loop."""
+    trace = tmp_path / "p.json"
+    argv = ["--processes", "--hidden", "256", "--batch-size", "64", "--batches", "8"]
+    out = _run([*argv, "--trace", str(trace), "--workdir", str(tmp_path)], capsys)
+    assert "2 devices" not in out
+    assert "pipeline, 2 worker processes" in out and "sequential, 1 device (cpu:0)" in out
+    assert "which this trace does not see" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    baseline = [e["dur"] for e in events if e.get("ph") == "X" and e.get("name") == "mlp"]
+    steps = [e["dur"] for e in events if e.get("ph") == "X" and e.get("cat") == "trio"]
+    assert len(baseline) == 8 + 6  # every timed and warm-up microbatch ran on the device
+    assert max(steps) < sum(baseline)  # no task step held the loop through the baseline
