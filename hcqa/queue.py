@@ -266,7 +266,8 @@ def _resolve_command(c: Any, var_vals: VarVals | None) -> Any:
             if any(d < 1 for d in dims):
                 raise InvalidCommand(f"{name!r} must be positive (got {dims})")
             sizes.append(dims)
-        args = c.program.c_args(c.buffers, vals)
+        c.program.check_geometry(*sizes)  # refused where the kernel can't receive it
+        args = c.program.c_args(c.buffers, vals, *sizes)
         return attrs.evolve(c, vals=vals, global_size=sizes[0], local_size=sizes[1], args=args)
     if t is cmd.Copy:
         if isinstance(c.nbytes, int):

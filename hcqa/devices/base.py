@@ -177,12 +177,19 @@ class Device:
         entry: str | None = None,
         writes: Sequence[int] | None = None,
         reads: Sequence[int] | None = None,
+        geometry: bool = False,
     ) -> Program:
-        """A program from a Python callable or C source (``entry`` names the function)."""
+        """A program from a Python callable or C source (``entry`` names the function).
+
+        ``geometry=True`` (C only): the kernel's last six ``int`` parameters receive the
+        launch geometry ``gx, gy, gz, lx, ly, lz`` (a Python kernel declares keyword-only
+        ``global_size`` / ``local_size`` instead)."""
         self._check_usable()
         if not isinstance(name, str) or not name:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
-        return self._make_program(name, src, entry=entry, writes=writes, reads=reads)
+        return self._make_program(
+            name, src, entry=entry, writes=writes, reads=reads, geometry=geometry
+        )
 
     def compute_queue(self) -> Queue:
         """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""

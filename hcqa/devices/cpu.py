@@ -64,13 +64,14 @@ class CpuDevice(Device):
         **options: Any,
     ) -> Program:
         entry, writes, reads = options["entry"], options["writes"], options["reads"]
+        geometry = options.get("geometry", False)
         if callable(src):
             if entry is not None:
                 raise InvalidCommand("'entry' is for C source only (got a Python callable)")
-            return Program(self, name, fn=src, writes=writes, reads=reads)
+            return Program(self, name, fn=src, writes=writes, reads=reads, geometry=geometry)
         if isinstance(src, str):
             kernel = compile_c(src, entry if entry is not None else name)
-            return Program(self, name, kernel=kernel, writes=writes, reads=reads)
+            return Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
         raise TypeError(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
         )
@@ -84,7 +85,12 @@ class CpuDevice(Device):
             prog.kernel.fn(*c.args)
         else:
             assert prog.fn is not None
-            prog.fn(*[b._kernel_array() for b in c.buffers], *c.vals)
+            arrays = [b._kernel_array() for b in c.buffers]
+            if prog.geometry:  # the keyword-only sizes it declares, resolved
+                sizes = {n: getattr(c, n) for n in prog.geometry}
+                prog.fn(*arrays, *c.vals, **sizes)
+            else:
+                prog.fn(*arrays, *c.vals)
 
     def _staged(self, end: Any) -> bool:
         return not self.host_visible and isinstance(end, cmd.HostMemoryRef)

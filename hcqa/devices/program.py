@@ -14,6 +14,16 @@ and devices, argument counts, value ranges, sizes -- and raises
 queued. Then it enqueues one ``Exec`` on the device's compute queue and returns
 the :class:`~hcqa.signals.Fence` the timeline will reach when it is done.
 
+Launch geometry reaches the kernel, resolved to 3-tuples of ints, or is refused:
+
+* a Python kernel that declares keyword-only ``global_size`` and/or ``local_size``
+  parameters gets them as keywords (``def k(out, a, *, global_size, local_size)``);
+* a C kernel made with ``device.program(..., geometry=True)`` takes six more ``int``
+  parameters after its vals -- ``gx, gy, gz, lx, ly, lz`` -- filled in by hcqa;
+* any other kernel runs with ``(1, 1, 1)`` only: a different size (given as an int, or
+  resolved from a Variable at submit or replay) is :class:`InvalidCommand`, never
+  silently dropped.
+
 By default a program writes its first buffer and reads the others; declare
 ``writes=`` / ``reads=`` (buffer positions) otherwise. The device uses this to
 order the program against copies and transfers on other queues; the graph
@@ -63,6 +73,21 @@ def _positional_count(fn: Callable[..., Any]) -> int | None:
     return n
 
 
+_ONE = (1, 1, 1)
+GEOMETRY = ("global_size", "local_size")
+
+
+def _keyword_only(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Which of ``global_size`` / ``local_size`` ``fn`` declares keyword-only."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(
+        n for n in GEOMETRY if n in params and params[n].kind is inspect.Parameter.KEYWORD_ONLY
+    )
+
+
 def _size3(name: str, value: object) -> tuple[IntLike, IntLike, IntLike]:
     if isinstance(value, (int, Variable, Expr)) and not isinstance(value, bool):
         value = (value, 1, 1)
@@ -93,25 +118,45 @@ class Program:
         kernel: CKernel | None = None,
         writes: Sequence[int] | None = None,
         reads: Sequence[int] | None = None,
+        geometry: bool = False,
     ) -> None:
         self.device = device
         self.name = name
         self.fn = fn
         self.kernel = kernel
         self.kind = "c" if kernel is not None else "python"
+        if not isinstance(geometry, bool):
+            raise TypeError(f"'geometry' must be a bool (got {type(geometry).__name__})")
+        # the launch-geometry arguments this kernel receives (see the module doc)
+        self.geometry: tuple[str, ...] = ()
         if kernel is not None:
             self.n_buffers: int | None = kernel.n_buffers
             self.n_vals: int | None = kernel.n_vals
             # (name, lo, hi) of each val parameter, in order
-            self.val_ranges: tuple[tuple[str, int, int], ...] | None = tuple(
-                (p.name, *_int_range(p.ctype)) for p in kernel.params if not p.pointer
-            )
+            ranges = tuple((p.name, *_int_range(p.ctype)) for p in kernel.params if not p.pointer)
+            if geometry:
+                if kernel.n_vals < 6:
+                    raise InvalidCommand(
+                        f"{name!r} with geometry=True must end with 6 int parameters "
+                        f"(gx, gy, gz, lx, ly, lz) (got {kernel.n_vals} int parameters)"
+                    )
+                self.n_vals = kernel.n_vals - 6
+                self.geometry = GEOMETRY
+                self._geometry_ranges = ranges[-6:]
+                ranges = ranges[:-6]
+            self.val_ranges: tuple[tuple[str, int, int], ...] | None = ranges
         else:
             assert fn is not None
+            if geometry:
+                raise InvalidCommand(
+                    "'geometry' is for C kernels (got a Python callable: declare keyword-only "
+                    "'global_size' / 'local_size' parameters instead)"
+                )
             self.n_buffers = None
             self.n_vals = None
             self.val_ranges = None
             self._n_args = _positional_count(fn)
+            self.geometry = _keyword_only(fn)
         self.writes = None if writes is None else self._positions("writes", writes)
         self.reads = None if reads is None else self._positions("reads", reads)
         self._access: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -190,19 +235,58 @@ class Program:
                 f"{self.name!r} takes {self._n_args} arguments (buffers then vals) "
                 f"(got {len(bufs)} buffers and {len(vals)} vals)"
             )
+        gs, ls = _size3("global_size", global_size), _size3("local_size", local_size)
+        self.check_geometry(gs, ls)
         return cmd.Exec(
             program=self,
             buffers=tuple(bufs),  # type: ignore[arg-type, unused-ignore]
             vals=tuple(vals),  # type: ignore[arg-type, unused-ignore]
-            global_size=_size3("global_size", global_size),
-            local_size=_size3("local_size", local_size),
-            args=self.c_args(bufs, vals),  # type: ignore[arg-type]
+            global_size=gs,
+            local_size=ls,
+            args=self.c_args(bufs, vals, gs, ls),  # type: ignore[arg-type]
         )
 
-    def c_args(self, bufs: Sequence[Buffer], vals: Sequence[IntLike]) -> tuple[int, ...] | None:
-        """A C kernel's call arguments, when every val is concrete (else None)."""
-        if self.kernel is None or not all(isinstance(v, int) for v in vals):
+    def check_geometry(self, global_size: Sequence[IntLike], local_size: Sequence[IntLike]) -> None:
+        """Refuse a concrete geometry other than (1, 1, 1) that the kernel can't receive
+        (symbolic sizes are checked once resolved)."""
+        for name, dims in zip(GEOMETRY, (global_size, local_size), strict=True):
+            if name in self.geometry or all(type(d) is not int or d == 1 for d in dims):
+                continue
+            how = (
+                "make it with program(..., geometry=True)"
+                if self.kernel is not None
+                else f"declare a keyword-only {name!r} parameter"
+            )
+            raise InvalidCommand(
+                f"{self.name!r} can't receive {name!r}: it must be (1, 1, 1) (got "
+                f"{tuple(dims)}); to pass it, {how}"
+            )
+        if self.kernel is not None and self.geometry:
+            for v, (pname, lo, hi) in zip(
+                (*global_size, *local_size), self._geometry_ranges, strict=True
+            ):
+                if type(v) is int and not lo <= v <= hi:
+                    raise InvalidCommand(
+                        f"{self.name!r} geometry parameter {pname!r} must be in [{lo}, {hi}] "
+                        f"(got {v})"
+                    )
+
+    def c_args(
+        self,
+        bufs: Sequence[Buffer],
+        vals: Sequence[IntLike],
+        global_size: Sequence[IntLike] = _ONE,
+        local_size: Sequence[IntLike] = _ONE,
+    ) -> tuple[int, ...] | None:
+        """A C kernel's call arguments (buffer addresses, vals, then the geometry if it
+        takes it), when every one is concrete (else None)."""
+        if self.kernel is None or not all(type(v) is int for v in vals):
             return None
+        if self.geometry:
+            geometry = (*global_size, *local_size)
+            if not all(type(v) is int for v in geometry):
+                return None
+            return (*(b.va_addr for b in bufs), *vals, *geometry)  # type: ignore[arg-type]
         return (*(b.va_addr for b in bufs), *vals)  # type: ignore[arg-type]
 
     def check_vals(self, vals: Sequence[object]) -> None:
