@@ -16,8 +16,8 @@ ownership on exactly as a trio owner does, so a cancelled asyncio waiter never
 loses a wake-up.
 
 Cancellation is asyncio's: ``CancelledError`` at the await. The hang limit of a
-device's fence is an ``asyncio.timeout`` around the park, checked for progress like
-the trio path does.
+device's fence is a ``loop.call_later`` timer that ends the park, after which the
+value is checked for progress like the trio path does.
 
 Memory-only producers: the owner also re-reads memory on the backoff timer of
 ``_rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 64 ms), exactly as if
@@ -47,17 +47,9 @@ async def wait_limited(
     if sig.value >= target:
         await asyncio.sleep(0)
         return
-    if hang_limit is None or math.isinf(hang_limit):
-        await _park(sig, target, observe)
-        return
+    limit = None if hang_limit is None or math.isinf(hang_limit) else hang_limit
     seen = sig.value
-    while True:
-        try:
-            async with asyncio.timeout(hang_limit):
-                await _park(sig, target, observe)
-                return
-        except TimeoutError:
-            pass
+    while not await _park(sig, target, observe, limit):
         now = sig.value
         if now == seen:
             where = f"{context}: " if context else ""
@@ -71,7 +63,9 @@ async def wait_limited(
         seen = now
 
 
-async def _park(sig: Signal, target: int, observe: bool) -> None:
+async def _park(sig: Signal, target: int, observe: bool, limit: float | None) -> bool:
+    """Park until ``target`` is reached (True) or ``limit`` seconds pass (False); raise
+    the signal's break error if it broke first."""
     if sig._closed:
         await asyncio.sleep(0)
         sig._raise_broken(observe)
@@ -80,9 +74,21 @@ async def _park(sig: Signal, target: int, observe: bool) -> None:
     waiter.loop = loop
     fd = sig._fd
     reading = False
-    timer: asyncio.TimerHandle | None = None
+    expired = False
+    timer: asyncio.TimerHandle | None = None  # the memory re-read backoff (owner only)
+    hang: asyncio.TimerHandle | None = None
+    if limit is not None:  # a plain timer, not asyncio.timeout: a third of the cost
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            fut = waiter.future
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+        hang = loop.call_later(limit, expire)
     try:
-        while True:
+        while not expired:
             fut = waiter.future = loop.create_future()
             owner = sig._claim(waiter)  # listed before the value is read
             if sig._outcome(target):
@@ -107,10 +113,15 @@ async def _park(sig: Signal, target: int, observe: bool) -> None:
                 break
             await fut  # woken: the target is reached, or we now own the eventfd
     finally:
+        if hang is not None:
+            hang.cancel()
         if reading:
             loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
         sig._unregister(waiter)
-    if sig.value < target:
-        sig._raise_broken(observe)
+    if sig._outcome(target):
+        if sig.value < target:
+            sig._raise_broken(observe)
+        return True
+    return False

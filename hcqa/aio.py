@@ -125,9 +125,7 @@ class _Host:
         self._stop.set()
 
 
-_hosts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Host] = (
-    weakref.WeakKeyDictionary()
-)
+_hosts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Host] = weakref.WeakKeyDictionary()
 
 
 async def _settle(fut: asyncio.Future[Any]) -> bool:
@@ -250,10 +248,12 @@ async def _run_call(
         box.finish(result)
 
 
-def _task_name(fn: Callable[..., Any]) -> str:
+def _task_name(what: Callable[..., Any] | str) -> str:
+    """The trio task's name: the asyncio task it serves, and what it runs."""
     task = asyncio.current_task()
     who = task.get_name() if task is not None else "asyncio"
-    return f"{who}: {getattr(fn, '__qualname__', repr(fn))}"
+    label = what if isinstance(what, str) else getattr(what, "__qualname__", repr(what))
+    return f"{who}: {label}"
 
 
 async def call(fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
@@ -310,7 +310,9 @@ async def _hold(gate: _Gate, make: Callable[[], AbstractAsyncContextManager[Any]
 
 
 @asynccontextmanager
-async def hosted(make: Callable[[], AbstractAsyncContextManager[T]]) -> AsyncIterator[T]:
+async def hosted(
+    make: Callable[[], AbstractAsyncContextManager[T]], label: str
+) -> AsyncIterator[T]:
     """From an asyncio task: ``async with make() as value`` held by a trio task of the
     loop's host (started here if need be). The body's exception is raised inside the
     trio block, so the manager sees it exactly as under trio; what leaves the block is
@@ -319,7 +321,7 @@ async def hosted(make: Callable[[], AbstractAsyncContextManager[T]]) -> AsyncIte
     try:
         assert host.nursery is not None
         gate = _Gate(host.loop)
-        host.nursery.start_soon(_hold, gate, make, name=_task_name(make))
+        host.nursery.start_soon(_hold, gate, make, name=_task_name(label))
         try:
             await asyncio.wait((gate.entered,))
         except asyncio.CancelledError as exc:

@@ -42,6 +42,7 @@ finished batch) or until the oldest request's ``max_wait`` deadline.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -52,6 +53,7 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from hcqa import aio
 from hcqa.devices.buffer import check_int
 from hcqa.errors import DeviceClosed, InvalidCommand, QueueFull
 
@@ -128,6 +130,8 @@ class Batcher:
 
     async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, sample)
         arr = np.asarray(sample)
         if arr.shape != self.sample_shape or arr.dtype != self.dtype:
             raise InvalidCommand(
@@ -299,7 +303,24 @@ async def open_batcher(
     ``max_wait`` (seconds): the longest a request waits for its batch to fill while the
     target is busy; when nothing runs, a batch goes at once. ``max_pending``: a call that
     finds that many requests waiting raises ``QueueFull`` (None: no limit).
+
+    Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
+    trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.
     """
+    if aio.asyncio_caller():
+        make = functools.partial(
+            open_batcher,
+            target,
+            max_batch=max_batch,
+            max_wait=max_wait,
+            sample_shape=sample_shape,
+            dtype=dtype,
+            depth=depth,
+            max_pending=max_pending,
+        )
+        async with aio.hosted(make, "open_batcher") as hosted:
+            yield hosted
+        return
     is_pipeline = all(hasattr(target, a) for a in ("in_shape", "dtype", "depth"))
     if not callable(target):
         raise InvalidCommand(

@@ -15,6 +15,9 @@ the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
 the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
 The three are ordered by the buffers' hazards, not by awaiting in between.
 
+From an asyncio task (see ``hcqa.aio``) a call whose slot and queues are free runs
+on that task and awaits its fence there; one that must wait runs in the trio host.
+
 Cancellation: cancelling a caller stops its wait at once. The work already
 queued on its slot completes on the devices; the slot (and its unit of
 ``depth``) goes back to the pool only when that work is done, so cancelled
@@ -26,6 +29,7 @@ one ``DeviceFault`` (an ExceptionGroup only for several different errors).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -157,11 +161,21 @@ class Pipeline:
 
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one microbatch through every stage; returns the output array."""
-        if aio.asyncio_caller():
-            return await aio.call(self.__call__, x)
         arr = self._check_input(x)
-        await self._limit.acquire()
+        if aio.asyncio_caller():  # from asyncio: run here when nothing needs waiting for
+            if not self._ready_now():
+                return await aio.call(self.__call__, arr)
+            self._limit.acquire_nowait()
+        else:
+            await self._limit.acquire()
         return await self._run(arr)
+
+    def _ready_now(self) -> bool:
+        """A unit of depth is free (so no trio task waits for one) and the next slot's
+        queues have room: ``_run`` would not wait before its fence."""
+        if self._limit.value < 1:
+            return False
+        return all(a.room >= k for a, k in self._free[-1].need.items())
 
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         return check_input(x, self.in_shape, self.dtype)
@@ -182,7 +196,7 @@ class Pipeline:
             fence = slot.out.copyout(result)
             try:
                 await fence
-            except trio.Cancelled:
+            except (trio.Cancelled, asyncio.CancelledError):
                 self._cancelled += 1
                 if not fence.reached:
                     handed_off = True

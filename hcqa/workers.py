@@ -429,7 +429,7 @@ async def open_process_pipeline(
             grace=grace,
             blas_threads=blas_threads,
         )
-        async with aio.hosted(make) as hosted:
+        async with aio.hosted(make, "open_process_pipeline") as hosted:
             yield hosted
         return
     if not stages:

@@ -175,6 +175,23 @@ def test_process_pipeline_under_asyncio() -> None:
     run(main)
 
 
+def test_batcher_under_asyncio() -> None:
+    async def main() -> None:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            pipe = hcqa.Pipeline([(d0, inc), (d1, double)], in_shape=(8, 4), depth=2)
+            async with hcqa.open_batcher(pipe, max_wait=0.005) as batch:
+                rows = [np.full(4, k, np.float32) for k in range(24)]
+                outs = await asyncio.gather(*(batch(r) for r in rows))
+                for r, y in zip(rows, outs, strict=True):
+                    np.testing.assert_array_equal(y, (r + 1) * 2)
+                stats = batch.statistics()
+                assert stats.samples == 24 and stats.batches < 24  # rows were batched
+                with pytest.raises(InvalidCommand, match="got float32"):
+                    await batch(np.zeros(3, np.float32))
+
+    run(main)
+
+
 def test_asyncio_tasks_share_devices() -> None:
     a = np.arange(32, dtype=np.float32)
 
@@ -500,15 +517,17 @@ def test_open_asyncio_host_traces_the_guest_tasks(tmp_path: Any) -> None:
             for _ in range(2):  # one trio run across two device blocks
                 async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
                     pipe = hcqa.Pipeline([(d0, inc), (d1, double)], in_shape=(8,))
-                    await pipe(a)
+                    await pipe(a)  # runs on this asyncio task: its fence is parked here
+                    await pipe.map([a, a])  # runs as a trio task of the host
                 assert aio._hosts  # the host outlives the device block
         assert not aio._hosts
 
     asyncio.run(main())
     doc = hcqa.trace.load(path)
     names = {e["args"]["name"] for e in doc["traceEvents"] if e.get("ph") == "M"}
-    assert "cpu:0 compute actor" in names or any("cpu:0 compute" in n for n in names)
-    assert any("Pipeline.__call__" in n for n in names), names
+    assert {"cpu:0 compute actor", "cpu:1 copy actor"} <= names, names
+    assert any(n.endswith(": open_devices") for n in names), names  # holds the block
+    assert any(n.endswith(": Pipeline.map") for n in names), names  # a routed call
     assert any(e.get("cat") == "device" for e in doc["traceEvents"])
 
 

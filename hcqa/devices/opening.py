@@ -117,7 +117,7 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     Under asyncio the block is held by a trio task of the loop's host (see ``hcqa.aio``).
     """
     if aio.asyncio_caller():
-        async with aio.hosted(lambda: open_devices(*specs, **options)) as hosted:
+        async with aio.hosted(lambda: open_devices(*specs, **options), "open_devices") as hosted:
             yield hosted
         return
     unknown = sorted(set(options) - _OPTIONS)

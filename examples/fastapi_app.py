@@ -1,0 +1,124 @@
+"""FastAPI on uvicorn (asyncio) awaiting an hcqa pipeline: the same calls as under trio.
+
+The app opens ``cpu:0`` and ``cpu:1`` in its lifespan and builds the demo two-layer MLP
+that ``hcqa serve`` runs (``hcqa.serve.mlp_pipeline``). Each ``POST /infer`` awaits the
+pipeline from its asyncio task; hcqa hosts its queue actors in a trio guest run on
+uvicorn's own loop (see docs/asyncio.md), so the kernels run in the devices' engine
+threads while the loop keeps serving.
+
+    pip install 'hcqa[asyncio]'
+    python examples/fastapi_app.py --port 8000      # or: uvicorn fastapi_app:app
+    curl -s localhost:8000/health
+    python -c 'import numpy as np, sys; sys.stdout.buffer.write(
+        np.ones((32, 256), "<f4").tobytes())' > x.bin
+    curl -s -H 'Content-Type: application/octet-stream' --data-binary @x.bin \\
+        localhost:8000/infer | wc -c                # 32 * 256 float32 back
+
+Endpoints (as ``hcqa serve``'s): ``POST /infer`` takes ``float32[batch, width]`` as raw
+little-endian bytes (answered in kind, with ``x-hcqa-shape`` / ``x-hcqa-dtype`` headers)
+or as JSON ``{"inputs": [[...], ...]}``; ``400`` for a bad body, ``500`` for a
+``DeviceFault``, ``503`` once the devices are closed. ``GET /health``, ``GET /stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+from fastapi import FastAPI, Request, Response
+
+import hcqa
+from hcqa.serve import mlp_pipeline
+
+RAW_TYPE = "application/octet-stream"
+
+
+def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
+    """The app; the devices live as long as its lifespan (uvicorn's startup to shutdown)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as devices:
+            app.state.devices = devices
+            app.state.pipe = await mlp_pipeline(*devices, batch=batch, width=width, depth=depth)
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        devices = request.app.state.devices
+        ok = all(not (d.closed or d.statistics().faulted) for d in devices)
+        doc = {"status": "ok" if ok else "unavailable", "devices": [d.name for d in devices]}
+        return Response(json.dumps(doc), status_code=200 if ok else 503)
+
+    @app.post("/infer")
+    async def infer(request: Request) -> Response:
+        pipe: hcqa.Pipeline = request.app.state.pipe
+        body = await request.body()
+        raw = request.headers.get("content-type", "").startswith(RAW_TYPE)
+        try:
+            x = _decode(body, raw, pipe)
+            y = await pipe(x)  # an asyncio task awaiting hcqa
+        except (ValueError, hcqa.InvalidCommand) as exc:
+            return _error(400, exc)
+        except hcqa.DeviceFault as exc:
+            return _error(500, exc)
+        except hcqa.DeviceClosed as exc:
+            return _error(503, exc)
+        if raw:
+            headers = {"x-hcqa-shape": ",".join(map(str, y.shape)), "x-hcqa-dtype": str(y.dtype)}
+            return Response(y.astype("<f4").tobytes(), media_type=RAW_TYPE, headers=headers)
+        doc = {"outputs": y.tolist(), "shape": list(y.shape), "dtype": str(y.dtype)}
+        return Response(json.dumps(doc), media_type="application/json")
+
+    @app.get("/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        pipe: hcqa.Pipeline = request.app.state.pipe
+        return {"pipeline": attrs.asdict(pipe.statistics())}
+
+    return app
+
+
+def _decode(body: bytes, raw: bool, pipe: hcqa.Pipeline) -> np.ndarray:
+    if raw:
+        want = int(np.prod(pipe.in_shape)) * pipe.dtype.itemsize
+        if len(body) != want:
+            raise ValueError(f"a raw body must be {want} bytes (got {len(body)})")
+        return np.frombuffer(body, dtype="<f4").reshape(pipe.in_shape)
+    try:
+        inputs = json.loads(body)["inputs"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f'the body must be JSON {{"inputs": [[...], ...]}} (got {exc})') from exc
+    return np.asarray(inputs, dtype=pipe.dtype)
+
+
+def _error(status: int, exc: Exception) -> Response:
+    doc = {"error": type(exc).__name__, "detail": str(exc)}
+    return Response(json.dumps(doc), status_code=status, media_type="application/json")
+
+
+app = create_app()
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=2)
+    args = parser.parse_args()
+    application = create_app(batch=args.batch, width=args.width, depth=args.depth)
+    uvicorn.run(application, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
