@@ -1,4 +1,8 @@
-"""Small helpers shared by the benchmarks: percentiles, tables and their footer."""
+"""Small helpers shared by the benchmarks: percentiles, tables and their footer.
+
+Percentiles are numpy's (linear interpolation); tables are rich's, in markdown form
+(``hcqa._console``), so a report pastes into docs/performance.md as it is.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,21 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import numpy as np
+
+from hcqa._console import markdown
+
 
 def percentile(samples: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) with linear interpolation; NaN for no samples."""
-    if not samples:
+    if len(samples) == 0:
         return math.nan
-    xs = sorted(samples)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A markdown table; columns padded so it also reads well as plain text."""
-    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
-
-    out = [line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join(out)
+    return markdown(headers, rows)
 
 
 def print_footer(missing_peer: str | None, lines: Sequence[str], started: float) -> None:

@@ -39,6 +39,7 @@ import trio
 from threadpoolctl import threadpool_limits
 
 import hcqa
+from bench._util import markdown_table
 from hcqa.demo import (
     MlpSpec,
     build_pipelines,
@@ -202,9 +203,7 @@ def rows(quick: bool = False) -> list[dict[str, str]]:
 
 def _table(table: Sequence[dict[str, str]]) -> str:
     headers = list(dict.fromkeys(k for row in table for k in row))
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(row.get(h, "") for h in headers) + " |" for row in table]
-    return "\n".join(lines)
+    return markdown_table(headers, [[row.get(h, "") for h in headers] for row in table])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

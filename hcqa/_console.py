@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["Bar", "progress", "render", "table"]
+__all__ = ["Bar", "markdown", "progress", "render", "table"]
 
 WIDTH = 120  # wide enough for every table hcqa prints; rich wraps cells past it
 
@@ -57,6 +57,15 @@ def table(
     return t
 
 
+def markdown(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table (``| a | b |``), columns padded so it also reads well as plain text."""
+    from rich import box
+
+    t = table(headers, rows, text_columns=len(headers))
+    t.box, t.show_edge, t.pad_edge = box.MARKDOWN, True, True
+    return render(t, width=max(WIDTH, 400))  # a markdown row must never wrap
+
+
 def render(*items: Any, width: int = WIDTH) -> str:
     """Plain text of rich renderables (tables) or strings, separated by blank lines."""
     from rich.console import Console
@@ -72,6 +81,8 @@ def render(*items: Any, width: int = WIDTH) -> str:
     lines = [line.rstrip() for line in buf.getvalue().splitlines()]
     while lines and not lines[-1]:
         lines.pop()
+    while lines and not lines[0]:
+        lines.pop(0)
     return "\n".join(lines)
 
 

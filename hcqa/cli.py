@@ -153,23 +153,28 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo.run(args)
 
 
-BENCHES = ("bench_signals", "bench_devices", "bench_graph", "bench_pipeline", "bench_workers")
-
-
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="short runs of every benchmark")
+    from hcqa._benchrun import BENCHES
+
+    parser.add_argument(
+        "--quick", action="store_true", help="short runs: indicative only, never judge targets"
+    )
+    parser.add_argument("--reports", metavar="DIR", help="keep each full report in DIR/NAME.txt")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="stream every report (no progress display)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress display")
     parser.add_argument(
         "names", nargs="*", metavar="NAME", help=f"only these ({', '.join(BENCHES)}; default all)"
     )
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    """Run each ``bench/bench_*.py`` of the checkout; one combined table of their rows.
-
-    A module's ``rows(quick) -> list[dict]`` goes into the table; a module without it runs
-    through its ``cli(argv)`` or ``main`` and prints its own report (noted in the table)."""
-    import inspect
+    """Run each ``bench/bench_*.py`` of the checkout (``hcqa._benchrun``); one table of every
+    target's verdict. Exit 1 when a full run missed a target or a benchmark failed."""
     from pathlib import Path
+
+    from hcqa._benchrun import BENCHES, run_benches, summary
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "bench").is_dir():
@@ -178,39 +183,23 @@ def _run_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise CliError(f"unknown benchmark {unknown[0]!r} (known: {', '.join(BENCHES)})")
     wanted = [n if n in BENCHES else f"bench_{n}" for n in args.names] or list(BENCHES)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    table: list[dict[str, object]] = []
-    failed = False
-    for name in wanted:
-        if not (root / "bench" / f"{name}.py").is_file():
-            table.append({"bench": name, "case": "(not in this checkout)"})
-            continue
-        _out(f"== {name}{' --quick' if args.quick else ''}")
-        sys.stdout.flush()
-        try:
-            mod: Any = importlib.import_module(f"bench.{name}")
-            if hasattr(mod, "rows"):
-                table += [{"bench": name, **row} for row in mod.rows(args.quick)]
-                continue
-            if hasattr(mod, "cli"):
-                mod.cli(["--quick"] if args.quick else [])
-            elif inspect.iscoroutinefunction(getattr(mod, "main", None)):
-                run_trio(mod.main, args.quick)
-            else:
-                mod.main(["--quick"] if args.quick else [])
-            table.append({"bench": name, "case": "(its report is printed above)"})
-        except (Exception, SystemExit) as exc:
-            failed = failed or not (isinstance(exc, SystemExit) and exc.code in (0, None))
-            line = str(exc).splitlines()[0] if str(exc) else ""
-            table.append({"bench": name, "case": f"failed: {type(exc).__name__}: {line}"})
-    headers = list(dict.fromkeys(k for row in table for k in row))
-    cells = [[str(row.get(h, "")) for h in headers] for row in table]
+    missing = [n for n in wanted if not (root / "bench" / f"{n}.py").is_file()]
+    if missing:
+        raise CliError(f"{missing[0]} is not in this checkout ({root / 'bench'})")
+    what = "quick runs (indicative only)" if args.quick else "full runs"
+    _out(f"{PROG} bench: {len(wanted)} benchmark(s), {what}: {', '.join(wanted)}")
+    sys.stdout.flush()
+    outcomes, folder = run_benches(
+        wanted,
+        root=root,
+        quick=args.quick,
+        reports=Path(args.reports) if args.reports else None,
+        verbose=args.verbose,
+        progress_enabled=not args.no_progress,
+    )
+    text, failed = summary(outcomes, quick=args.quick, reports=folder)
     _out()
-    _out("| " + " | ".join(headers) + " |")
-    _out("|" + "|".join("---" for _ in headers) + "|")
-    for cell_row in cells:
-        _out("| " + " | ".join(cell_row) + " |")
+    _out(text)
     return 1 if failed else 0
 
 

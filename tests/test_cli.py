@@ -1,4 +1,4 @@
-"""The ``hcqa`` command's own behaviour: version, errors as one line, tracebacks on request."""
+"""The ``hcqa`` command: version, errors as one line, tracebacks on request, the bench runner."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import argparse
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from hcqa import cli
+from hcqa import _benchrun, cli
 
 
 def _boom(args: argparse.Namespace) -> int:
@@ -92,3 +93,83 @@ def test_the_installed_command_runs() -> None:
         [sys.executable, "-m", "hcqa.cli", "-V"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and proc.stdout.startswith("hcqa ")
+
+
+# -- hcqa bench: the runner and its one summary table ------------------------------------------
+
+REPORT_LINES = [
+    "## Memory-only write (value word only, no eventfd) after 0.3 s idle",
+    "hcqa p50 = 1.45x the raw eventfd floor (target ≤ 2x: met); p99 = 1.10x.",
+    "target: seen within 100 ms: MISSED",
+    "- target 1a launch+await Python kernel <= 1.0x to_thread (p50): MISSED (1.24x: 80 µs)",
+    "- target 3c transfer 256 MiB >= 0.8x numpy.copyto: skipped (not measured in a quick run)",
+    "- idle CPU < 5.0 % of a core (0.0 %): met",
+    "- latency 16 float32 ≤ 0.3x Ray's (no Ray numbers): n/a",
+    "| S_hcqa / S_ctrl | 2.27 (rounds: 0.99, 4.29) | >= 0.85 | met |",
+    "| case | throughput |",
+    "a line that says nothing about targets: it met a friend",
+]
+
+
+def test_the_runner_reads_every_verdict_form() -> None:
+    got = [(v.target, v.state) for v in _benchrun.verdicts(REPORT_LINES)]
+    assert got == [
+        ("hcqa p50 = 1.45x the raw eventfd floor (target ≤ 2x)", "met"),
+        ("Memory-only write: seen within 100 ms", "MISSED"),
+        ("1a launch+await Python kernel <= 1.0x to_thread (p50) (1.24x: 80 µs)", "MISSED"),
+        ("3c transfer 256 MiB >= 0.8x numpy.copyto (not measured in a quick run)", "skipped"),
+        ("idle CPU < 5.0 % of a core (0.0 %)", "met"),
+        ("latency 16 float32 ≤ 0.3x Ray's (no Ray numbers)", "n/a"),
+        ("S_hcqa / S_ctrl 2.27 (rounds: 0.99, 4.29) >= 0.85", "met"),
+    ]
+
+
+def _outcome(name: str, code: int, lines: list[str]) -> _benchrun.Outcome:
+    return _benchrun.Outcome(
+        name=name,
+        returncode=code,
+        seconds=1.0,
+        report=Path(f"/r/{name}.txt"),
+        verdicts=tuple(_benchrun.verdicts(lines)),
+        last_line=lines[-1] if lines else "",
+    )
+
+
+def test_a_quick_summary_is_indicative_and_never_missed() -> None:
+    outcomes = [_outcome("bench_a", 0, REPORT_LINES), _outcome("bench_b", 0, ["nothing"])]
+    text, failed = _benchrun.summary(outcomes, quick=True, reports=Path("/r"))
+    assert "MISSED" not in text and not failed
+    assert "indicative (below target)" in text and "indicative (at target)" in text
+    assert "sizes too small to judge the targets" in text and "full reports: /r/" in text
+    assert "(no target judged; see its report)" in text
+    assert "its report is printed above" not in text
+
+
+def test_a_full_summary_judges_and_fails_on_a_miss_or_a_crash() -> None:
+    ok = _outcome("bench_ok", 0, ["- target x: met (1x)"])
+    text, failed = _benchrun.summary([ok], quick=False, reports=Path("/r"))
+    assert not failed and "indicative" not in text
+    missed = _outcome("bench_pipeline", 1, ["| r | 0.5 | >= 0.85 | MISSED |"])
+    text, failed = _benchrun.summary([ok, missed], quick=False, reports=Path("/r"))
+    assert failed and "MISSED" in text
+    crashed = _outcome("bench_c", 2, ["Traceback ...", "ImportError: no module named ray"])
+    text, failed = _benchrun.summary([ok, crashed], quick=False, reports=Path("/r"))
+    assert failed and "FAILED" in text and "exited 2: ImportError: no module named ray" in text
+
+
+def test_the_runner_runs_a_benchmark_and_keeps_its_report(tmp_path: Path) -> None:
+    root = tmp_path / "checkout"
+    (root / "bench").mkdir(parents=True)
+    (root / "bench" / "__init__.py").write_text("")
+    (root / "bench" / "bench_fake.py").write_text(
+        "import sys\n"
+        "print('# fake', sys.argv[1:])\n"
+        "print('- target speed >= 1x the floor: met (1.5x)')\n"
+    )
+    outcomes, folder = _benchrun.run_benches(
+        ["bench_fake"], root=root, quick=True, reports=tmp_path / "reports"
+    )
+    (o,) = outcomes
+    assert o.returncode == 0 and folder == tmp_path / "reports"
+    assert [(v.target, v.state) for v in o.verdicts] == [("speed >= 1x the floor (1.5x)", "met")]
+    assert o.report.read_text().startswith("# fake ['--quick']\n")
