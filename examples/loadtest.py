@@ -112,11 +112,9 @@ class Client:
         await self.aclose()
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of an ascending list; NaN when empty."""
-    if not sorted_values:
-        return math.nan
-    return sorted_values[max(1, math.ceil(q / 100 * len(sorted_values))) - 1]
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100; numpy's "inverted_cdf"); NaN when empty."""
+    return float(np.percentile(values, q, method="inverted_cdf")) if values else math.nan
 
 
 @attrs.frozen(kw_only=True)

@@ -165,7 +165,10 @@ class Batcher:
 
     def statistics(self) -> BatcherStatistics:
         """A frozen snapshot of the counters (see :class:`BatcherStatistics`)."""
-        waits = sorted(self._waits)
+        if self._waits:  # nearest-rank percentiles, as numpy's "inverted_cdf" method computes
+            p50, p99 = np.percentile(list(self._waits), [50, 99], method="inverted_cdf").tolist()
+        else:
+            p50 = p99 = math.nan
         return BatcherStatistics(
             max_batch=self.max_batch,
             max_wait=self.max_wait,
@@ -178,8 +181,8 @@ class Batcher:
             cancelled=self._cancelled,
             pending=len(self._pending),
             in_flight=self._in_flight,
-            queue_wait_p50=_percentile(waits, 50),
-            queue_wait_p99=_percentile(waits, 99),
+            queue_wait_p50=p50,
+            queue_wait_p99=p99,
         )
 
     def __repr__(self) -> str:
@@ -272,12 +275,6 @@ class Batcher:
                 r.error = DeviceClosed("the batcher closed before this sample ran")
                 r.done.set()
         self._wake.set()
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    return sorted_values[max(1, math.ceil(q / 100 * len(sorted_values))) - 1]
 
 
 @asynccontextmanager

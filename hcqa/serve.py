@@ -76,14 +76,6 @@ class _HttpError(Exception):
         self.status = status
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of an ascending list; NaN when empty."""
-    if not sorted_values:
-        return math.nan
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
 def _spec(dtype: np.dtype[Any], shape: tuple[int, ...]) -> str:
     return f"{dtype}{list(shape)}"
 
@@ -168,6 +160,9 @@ class _App:
 
     def _stats(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
+        p50 = p99 = None  # nearest-rank percentiles in ms (numpy's "inverted_cdf")
+        if lat:
+            p50, p99 = (np.percentile(lat, [50, 99], method="inverted_cdf") * 1e3).tolist()
         p = self.pipeline
         return {
             "input": {"shape": list(p.in_shape), "dtype": str(p.dtype)},
@@ -177,8 +172,8 @@ class _App:
             "responses": {str(k): v for k, v in sorted(self.counts.items())},
             "infer_ms": {
                 "count": len(lat),
-                "p50": _percentile(lat, 50) * 1e3 if lat else None,
-                "p99": _percentile(lat, 99) * 1e3 if lat else None,
+                "p50": p50,
+                "p99": p99,
                 "max": lat[-1] * 1e3 if lat else None,
             },
             "pipeline": attrs.asdict(self.pipeline.statistics()),
