@@ -15,8 +15,13 @@ the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
 the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
 The three are ordered by the buffers' hazards, not by awaiting in between.
 
-From an asyncio task (see ``hcqa.aio``) a call whose slot and queues are free runs
-on that task and awaits its fence there; one that must wait runs in the trio host.
+From an asyncio task (see ``hcqa.aio``) a call that finds a free slot runs on that
+task *step by step*: it enqueues the slot's copy-in, transfers, programs and copy-out
+one at a time, each once the one before is reached, awaiting each fence on the asyncio
+loop. Each enqueue then finds its hazards done and goes straight to an idle engine,
+so no queue actor -- no trio task -- is woken: under asyncio a trio wake-up costs an
+extra thread hand-off (trio's guest I/O thread). A call that must wait for a slot runs
+in the trio host as under trio.
 
 Cancellation: cancelling a caller stops its wait at once. The work already
 queued on its slot completes on the devices; the slot (and its unit of
@@ -30,6 +35,7 @@ one ``DeviceFault`` (an ExceptionGroup only for several different errors).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -45,6 +51,7 @@ from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
+from hcqa.signals import Fence
 
 __all__ = ["Pipeline", "PipelineStatistics", "Stage"]
 
@@ -81,6 +88,8 @@ class _Slot:
     graph: Graph
     inp: Buffer
     out: Buffer
+    # the graph's enqueues one by one (transfers and programs), for asyncio callers
+    steps: list[Callable[[], Fence]] = attrs.field(factory=list)
     # batches one microbatch sends per queue (copy in, the graph's parts, copy out)
     need: dict[Any, int] = attrs.field(factory=dict)
 
@@ -141,18 +150,21 @@ class Pipeline:
         shape, dtype = self.in_shape, self.dtype
         first = self.stages[0].device.alloc(shape=shape, dtype=dtype)
         inp = first
+        steps: list[Callable[[], Fence]] = []
         with capture() as graph:
             for stage, prog in zip(self.stages, self._programs, strict=True):
                 if inp.device is not stage.device:
                     moved = stage.device.alloc(shape=shape, dtype=dtype)
-                    transfer(moved, inp)
+                    steps.append(functools.partial(transfer, moved, inp))
+                    steps[-1]()
                     inp = moved
                 shape = stage.out_shape or shape
                 dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
                 out = stage.device.alloc(shape=shape, dtype=dtype)
-                prog(out, inp, *stage.params)
+                steps.append(functools.partial(prog, out, inp, *stage.params))
+                steps[-1]()
                 inp = out
-        slot = _Slot(graph=graph, inp=first, out=inp)
+        slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)
         for a in [first.device.copy, *(p.actor for p in graph._parts), inp.device.copy]:
             slot.need[a] = slot.need.get(a, 0) + 1
         return slot
@@ -166,8 +178,8 @@ class Pipeline:
             if not self._ready_now():
                 return await aio.call(self.__call__, arr)
             self._limit.acquire_nowait()
-        else:
-            await self._limit.acquire()
+            return await self._run(arr, stepwise=True)
+        await self._limit.acquire()
         return await self._run(arr)
 
     def _ready_now(self) -> bool:
@@ -180,8 +192,11 @@ class Pipeline:
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         return check_input(x, self.in_shape, self.dtype)
 
-    async def _run(self, arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        """Holds one unit of self._limit; releases it (or hands it to a reclaimer)."""
+    async def _run(self, arr: npt.NDArray[Any], *, stepwise: bool = False) -> npt.NDArray[Any]:
+        """Holds one unit of self._limit; releases it (or hands it to a reclaimer).
+
+        ``stepwise`` (an asyncio caller, see the module doc): enqueue the graph's steps
+        one by one, each after the last one's fence, instead of replaying the graph."""
         slot = self._free.pop()
         handed_off = False
         try:
@@ -190,11 +205,17 @@ class Pipeline:
                 if not short:
                     break
                 await short[0].wait_for_space()
-            slot.inp.copyin(arr)
-            slot.graph.submit()
             result = np.empty(self.out_shape, self.out_dtype)
-            fence = slot.out.copyout(result)
+            fence = slot.inp.copyin(arr)
             try:
+                if stepwise:
+                    for step in slot.steps:
+                        await fence
+                        fence = step()
+                    await fence
+                else:
+                    slot.graph.submit()
+                fence = slot.out.copyout(result)
                 await fence
             except (trio.Cancelled, asyncio.CancelledError):
                 self._cancelled += 1
