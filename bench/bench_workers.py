@@ -1,6 +1,7 @@
 """Process-pipeline benchmark (issue 9): hcqa's worker processes vs Ray Compiled Graphs.
 
-Run from the repository root (the stage workers import ``bench._stages`` from there)::
+Run from the repository root (the stage workers import ``bench._stages`` from there, given
+to them as ``path=[ROOT]``: workers never import from the working directory)::
 
     python -m bench.bench_workers            # 3 rounds per side, interleaved (about 2 min)
     python -m bench.bench_workers --quick    # 1 round per side, fewer items
@@ -272,7 +273,7 @@ async def _hcqa_round(plan: Plan) -> None:
     await payload("small", SMALL, plan.lat_small, plan.tput_small, idle=True)
 
     async with open_process_pipeline(
-        [SLOW_STAGE, STAGE], in_shape=(SMALL,), dtype="float32", depth=2
+        [SLOW_STAGE, STAGE], in_shape=(SMALL,), dtype="float32", depth=2, path=[str(ROOT)]
     ) as pipe:
         await pipe(np.zeros(SMALL, np.float32))  # warm: no sleep for a leading 0
         window = CpuWindow({"coordinator": [me], "workers": [w.pid for w in pipe.workers]})
@@ -677,7 +678,7 @@ async def _hops(items: int) -> None:
     for tag, n, count in (("16 float64", SMALL, items), ("4 MiB", (4 << 20) // 8, items // 10)):
         stages = ["bench._stages:stamp0", "bench._stages:stamp1"]
         async with open_process_pipeline(
-            stages, in_shape=(n,), dtype="float64", depth=IN_FLIGHT
+            stages, in_shape=(n,), dtype="float64", depth=IN_FLIGHT, path=[str(ROOT)]
         ) as pipe:
             x = np.zeros(n)
             for _ in range(20):

@@ -23,16 +23,16 @@ from hcqa.errors import (
 )
 from hcqa.graph import Graph, GraphStatistics, capture
 from hcqa.pipeline import Pipeline, PipelineStatistics, Stage
-from hcqa.queue import Queue
-from hcqa.signals import Fence, Signal, SignalStatistics
-from hcqa.trace import Tracer
-from hcqa.variables import Variable
-from hcqa.workers import (
+from hcqa.processes import (
     ProcessPipeline,
     ProcessPipelineStatistics,
     ProcessStage,
     open_process_pipeline,
 )
+from hcqa.queue import Queue
+from hcqa.signals import Fence, Signal, SignalStatistics
+from hcqa.trace import Tracer
+from hcqa.variables import Variable
 
 __version__ = "0.1.0"
 

@@ -8,19 +8,41 @@ child shares them, and the page's fd can be handed to another process
 (``hcqa.ipc``) which maps the same memory. A process keeps its pages for its whole
 life and recycles slots through a free list (zeroed on return); a page attached from
 another process (:class:`Page` with an ``fd``) is unmapped when its signal closes.
+
+Every memfd hcqa creates (these pages, shared buffers) is sealed against shrinking
+(:func:`seal`) before it is shared: a process it is handed to can't truncate it under
+our mappings, which would kill us with SIGBUS at the next touch.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
 
-__all__ = ["PAGE", "SLOT", "Page", "SlotPool", "pool"]
+__all__ = ["PAGE", "SLOT", "Page", "SlotPool", "memfd", "pool", "seal"]
 
 SLOT = 32
 PAGE = mmap.PAGESIZE
+
+
+def seal(fd: int) -> None:
+    """Forbid shrinking the memfd ``fd`` (and adding or removing seals) for good."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+
+
+def memfd(name: str, size: int) -> int:
+    """A new memfd of ``size`` bytes, sealed against shrinking (closed on failure)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        seal(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Page:
@@ -28,8 +50,7 @@ class Page:
 
     def __init__(self, fd: int | None = None) -> None:
         if fd is None:
-            fd = os.memfd_create("hcqa-signals", os.MFD_CLOEXEC)
-            os.ftruncate(fd, PAGE)
+            fd = memfd("hcqa-signals", PAGE)
         self.fd = fd
         self.mm = mmap.mmap(self.fd, PAGE, mmap.MAP_SHARED)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))

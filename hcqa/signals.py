@@ -203,7 +203,7 @@ class Signal:
     def export(self) -> tuple[int, int, int]:
         """(page fd, slot index, eventfd): what another process needs to attach.
 
-        Send the fds with SCM_RIGHTS (see ``hcqa.ipc``); this signal keeps owning them."""
+        Send the fds with SCM_RIGHTS (see ``hcqa.processes.ipc``); this signal keeps owning them."""
         return self._page.fd, self._index, self._fd
 
     def add_peer(self, eventfd: int) -> None:

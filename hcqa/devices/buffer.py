@@ -220,7 +220,7 @@ class Buffer:
         """(memfd, description) for another process: see ``Device.import_buffer``.
 
         Only buffers allocated with ``shared=True`` (and their views) can be exported;
-        the buffer keeps owning the fd (send it with SCM_RIGHTS, see ``hcqa.ipc``)."""
+        the buffer keeps owning the fd (send it with SCM_RIGHTS, see ``hcqa.processes.ipc``)."""
         self._check()
         fd = self._mem.fd
         if fd is None:

@@ -43,6 +43,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from hcqa._slots import memfd
 from hcqa.errors import InvalidCommand, OutOfMemory
 
 __all__ = [
@@ -94,8 +95,7 @@ class HostMemory:
         self._nbytes = _check_int("nbytes", nbytes, 1)
         self._capacity = _round_up(self._nbytes, PAGE_SIZE)
         if shareable and fd is None:
-            fd = os.memfd_create("hcqa-buffer", os.MFD_CLOEXEC)
-            os.ftruncate(fd, self._capacity)
+            fd = memfd("hcqa-buffer", self._capacity)  # sealed: see hcqa._slots
         self.fd = fd
         if fd is None:
             # Private, not shared: the kernel backs large private mappings with huge

@@ -1,16 +1,18 @@
-"""The worker process of a process pipeline (``python -m hcqa._worker FD``).
+"""The worker process of a process pipeline (started by ``hcqa.processes._spawn``).
 
 Theory of operation
 -------------------
-The coordinator (``hcqa.workers``) starts this module with one end of a Unix
-socketpair as ``FD``. The worker checks its peer's credentials, receives its set-up --
+The coordinator starts this module (see ``_spawn``: isolated, the coordinator's hcqa,
+no working directory on the path) with one end of a Unix socketpair. The worker first
+asks the kernel to SIGKILL it when the coordinator dies (``PR_SET_PDEATHSIG``) and checks
+the coordinator is still its parent; it then checks its peer's credentials, receives its set-up --
 the stage (``"module:function"``, or a factory and its arguments), its input and output
 slots as memfds, and its three signals -- maps them, sends back its own eventfds,
 receives its peers' and then runs the stage in its engine thread (:func:`_stage_loop`),
 sleeping in ``wait_sync`` between items. Its trio side only watches the socket: on
-``stop`` (or the coordinator's end closing) it breaks the signals, which wakes the
-stage thread out of its wait, and the process exits without the interpreter's slow
-teardown. A stage that raises sends its error back as a ``fault`` message.
+``stop`` or the coordinator's end closing the process exits at once (``os._exit``: a
+stage stuck in a call does not hold it, and the interpreter's slow teardown is
+skipped). A stage that raises sends its error back as a ``fault`` message.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import socket
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +30,8 @@ import trio
 
 from hcqa.devices.opening import open_device
 from hcqa.errors import DeviceClosed, InvalidCommand
-from hcqa.ipc import PeerGone, attach_signal, check_peer, recv_message, send_message
+from hcqa.processes._spawn import PR_SET_DUMPABLE, PR_SET_PDEATHSIG, prctl
+from hcqa.processes.ipc import PeerGone, attach_signal, check_peer, recv_message, send_message
 from hcqa.signals import Signal
 
 __all__ = ["main"]
@@ -38,7 +41,13 @@ def _load(ref: str) -> Callable[..., Any]:
     module, _, name = ref.partition(":")
     if not module or not name:
         raise InvalidCommand(f"a stage must be named 'module:function' (got {ref!r})")
-    obj: Any = importlib.import_module(module)
+    try:
+        obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise InvalidCommand(
+            f"stage {ref!r}: module {exc.name!r} was not found on the workers' path (the "
+            "coordinator's sys.path without its working directory, plus path=[...])"
+        ) from exc
     for part in name.split("."):
         obj = getattr(obj, part)
     if not callable(obj):
@@ -61,9 +70,6 @@ async def _worker_main(fd: int) -> None:
         await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
     n_in, n_out, column = int(header["inputs"]), int(header["outputs"]), int(header["column"])
-
-    class _Stop(Exception):
-        pass
 
     try:
         async with open_device("cpu:0") as device:
@@ -115,11 +121,12 @@ async def _worker_main(fd: int) -> None:
                         os.close(e)
                     if message.get("op") == "stop":
                         break
-                for sig in sigs:  # wakes the stage thread out of its wait
-                    sig._break(DeviceClosed("the worker is stopping"))
-            raise _Stop  # leave the device by an exception: nothing is left to drain
-    except _Stop:
-        pass
+                # Stopped, or the coordinator is gone: leave now. The stage thread may be
+                # stuck in a call; nothing of this process needs an orderly teardown.
+                os._exit(0)
+    except Exception as exc:  # set-up failed: say why (the coordinator raises it)
+        with contextlib.suppress(PeerGone, OSError):
+            await send_message(sock, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _stage_loop(
@@ -151,14 +158,12 @@ def _stage_loop(
         return exc
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    trio.run(_worker_main, int(args[0]))
-    sys.stdout.flush()
-    # Everything is closed or is released by the kernel with the process: skip the
-    # interpreter's slow teardown (it dominated a pipeline's close).
+def main(config: dict[str, Any]) -> None:
+    """The worker's entry point (``config``: see ``_spawn.spawn_worker``)."""
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the coordinator's trio thread
+    if os.getppid() != config["parent"]:
+        os._exit(1)  # the coordinator died before the line above: nobody to serve
+    if config.get("private"):
+        prctl(PR_SET_DUMPABLE, 0)  # /proc/PID/fd and ptrace: root only
+    trio.run(_worker_main, int(config["fd"]))
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

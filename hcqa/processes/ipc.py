@@ -18,9 +18,9 @@ every process sleep; none spins.
 Framing: ``!I`` length, then that many bytes of UTF-8 JSON; the fds ride on the
 first byte. A closed socket raises :class:`PeerGone`.
 
-Worker processes (:func:`spawn_worker`) are started with ``python -m hcqa._worker``
-and one end of a socketpair as their only inherited fd; everything else reaches them
-over it. :func:`stop_workers` asks them to stop and kills one that does not.
+The coordinator of a process pipeline (``hcqa.processes``) and its workers speak this
+protocol over one socketpair per worker; :class:`PeerGone` never leaves the package: the
+pipeline turns it into a :class:`~hcqa.errors.DeviceFault` naming the worker.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import json
 import os
 import socket
 import struct
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import trio
 
 from hcqa.errors import HcqaError
@@ -42,17 +40,14 @@ from hcqa.signals import Signal
 
 __all__ = [
     "PeerGone",
-    "WorkerProcess",
     "attach_signal",
     "check_peer",
     "offer_signal",
     "recv_message",
     "send_message",
-    "spawn_worker",
-    "stop_workers",
 ]
 
-MAX_FDS = 64
+MAX_FDS = 253  # the kernel's SCM_MAX_FD
 _LEN = struct.Struct("!I")
 
 
@@ -143,55 +138,3 @@ def attach_signal(meta: dict[str, Any], fds: Sequence[int]) -> Signal:
     sig = Signal.attach(page_fd, int(meta["index"]), name=str(meta["name"]))
     sig.add_peer(peer_fd)
     return sig
-
-
-# -- worker processes -------------------------------------------------------------------
-
-
-@attrs.define(eq=False)
-class WorkerProcess:
-    """A worker process started by :func:`spawn_worker`, and its end of the socketpair."""
-
-    index: int
-    process: trio.Process
-    sock: trio.socket.SocketType
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-
-async def spawn_worker(index: int, blas_threads: int | None) -> WorkerProcess:
-    """Start ``python -m hcqa._worker`` with one end of a fresh socketpair (checked: same
-    user); ``blas_threads`` caps its BLAS/OpenMP pools (None: inherit)."""
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    env = dict(os.environ)
-    if blas_threads is not None:
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = str(blas_threads)
-    try:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "hcqa._worker", str(child.fileno())],
-            pass_fds=(child.fileno(),),
-            env=env,
-        )
-    finally:
-        child.close()
-    sock = trio.socket.from_stdlib_socket(parent)
-    check_peer(sock)
-    return WorkerProcess(index=index, process=process, sock=sock)
-
-
-async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:
-    """Ask every worker to stop; kill one still running after ``grace`` seconds."""
-    for w in workers:
-        try:
-            await send_message(w.sock, {"op": "stop"})
-        except (PeerGone, OSError):
-            pass
-    for w in workers:
-        with trio.move_on_after(grace):
-            await w.process.wait()
-        if w.process.returncode is None:
-            w.process.kill()
-            await w.process.wait()

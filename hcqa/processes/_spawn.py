@@ -1,0 +1,180 @@
+"""Starting, watching and stopping a process pipeline's workers.
+
+Theory of operation
+-------------------
+A worker is started as ``python -I -c BOOT`` with one end of a fresh socketpair as its
+only inherited fd. ``-I`` (isolated mode) keeps the coordinator's working directory,
+``PYTHONPATH`` and the user site out of its start-up; ``BOOT`` then sets ``sys.path`` to
+the coordinator's own, *minus its working directory* (``''`` and ``os.getcwd()``), after
+the caller's ``path=`` entries, and loads ``hcqa`` from the very directory the
+coordinator's came from -- so a module planted in the working directory is never
+imported, and the worker runs the same hcqa as the coordinator.
+
+The worker is forked from the trio thread itself (not trio's thread cache: the kernel's
+parent-death signal follows the *thread* that forked), so its ``PR_SET_PDEATHSIG``
+(SIGKILL, set first thing in the worker, which then checks its parent is still the
+coordinator) fires when the coordinator dies, whatever the worker is doing. The worker
+also exits at once when its socket closes.
+
+The coordinator waits for a worker's exit on a pidfd: one watcher task per worker
+(:meth:`WorkerProcess.watch`) reaps it and sets ``exited``; everyone else waits on that
+event. Killing goes through the ``Popen`` object, which is safe against pid reuse until
+the child is reaped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import trio
+
+import hcqa
+from hcqa.processes.ipc import PeerGone, check_peer, send_message
+
+__all__ = [
+    "PR_SET_DUMPABLE",
+    "PR_SET_PDEATHSIG",
+    "WorkerProcess",
+    "prctl",
+    "spawn_worker",
+    "stop_workers",
+    "worker_path",
+]
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+
+
+def prctl(option: int, value: int) -> None:
+    """Linux ``prctl(option, value)`` through libc."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {value}): {os.strerror(err)}")
+
+
+_BOOT = """\
+import importlib.util as u, json, sys
+c = json.loads(sys.argv[1])
+sys.path[:] = c["path"]
+s = u.spec_from_file_location("hcqa", c["init"], submodule_search_locations=[c["dir"]])
+m = u.module_from_spec(s); sys.modules["hcqa"] = m; s.loader.exec_module(m)
+from hcqa.processes._worker import main
+main(c)
+"""
+
+
+def worker_path(extra: Sequence[str] = ()) -> list[str]:
+    """The workers' ``sys.path``: ``extra`` first, then the coordinator's own without its
+    working directory (relative entries made absolute)."""
+    cwd = os.getcwd()
+    out = [os.path.abspath(e) for e in extra]
+    for entry in sys.path:
+        if entry in ("", ".") or os.path.abspath(entry) == cwd:
+            continue
+        entry = os.path.abspath(entry)
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+class WorkerProcess:
+    """A started worker: its ``Popen``, a pidfd to wait on, its end of the socketpair."""
+
+    def __init__(self, index: int, popen: subprocess.Popen[bytes], sock: trio.socket.SocketType):
+        self.index = index
+        self.popen = popen
+        self.sock = sock
+        self.pidfd = os.pidfd_open(popen.pid)
+        self.exited = trio.Event()
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    async def watch(self) -> int:
+        """Wait for the exit (the one waiter on the pidfd) and reap; returns the status."""
+        try:
+            await trio.lowlevel.wait_readable(self.pidfd)
+            self.returncode = self.popen.wait()
+        finally:
+            trio.lowlevel.notify_closing(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = -1
+        self.exited.set()
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.popen.returncode is None:
+            self.popen.send_signal(signal.SIGKILL)
+
+    def reap(self) -> None:
+        """Last resort at close (the watcher is gone): kill and wait, blocking briefly."""
+        if self.popen.returncode is None:
+            self.kill()
+            self.popen.wait()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def spawn_worker(
+    index: int, blas_threads: int | None, path: Sequence[str], *, private: bool
+) -> WorkerProcess:
+    """Start a worker (synchronously, on the trio thread: see the theory above)."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    env = dict(os.environ)
+    if blas_threads is not None:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(blas_threads)
+    pkg = os.path.dirname(os.path.abspath(hcqa.__file__))
+    config = {
+        "fd": child.fileno(),
+        "parent": os.getpid(),
+        "path": list(path),
+        "init": os.path.join(pkg, "__init__.py"),
+        "dir": pkg,
+        "private": private,
+    }
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-I", "-c", _BOOT, json.dumps(config)],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        child.close()
+    sock = trio.socket.from_stdlib_socket(parent)
+    try:
+        check_peer(sock)
+        return WorkerProcess(index, popen, sock)
+    except BaseException:
+        sock.close()
+        popen.kill()
+        popen.wait()
+        raise
+
+
+async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:
+    """Ask every worker to stop; kill one still running after ``grace`` seconds."""
+    for w in workers:
+        try:
+            await send_message(w.sock, {"op": "stop"})
+        except (PeerGone, OSError):
+            pass
+    with trio.move_on_after(grace):
+        for w in workers:
+            await w.exited.wait()
+    for w in workers:
+        w.kill()
+    for w in workers:
+        await w.exited.wait()

@@ -1,0 +1,590 @@
+"""The coordinator's side of a process pipeline: ``ProcessPipeline`` and its opening.
+
+Theory of operation: see the package (``hcqa.processes``); this module holds the item
+paths (``__call__``, ``item()``), the set-up handshake with the workers, the watchers
+that turn a worker's death or a stalled stage into a sticky fault, and the close.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa import aio
+from hcqa.devices.base import Device
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.opening import open_device
+from hcqa.errors import (
+    DeviceClosed,
+    DeviceFault,
+    HcqaError,
+    InvalidCommand,
+    OutOfMemory,
+    SignalTimeout,
+)
+from hcqa.pipeline import check_input
+from hcqa.processes import _items
+from hcqa.processes._checks import ProcessStage, check_arguments, check_fds
+from hcqa.processes._pool import SlotPool
+from hcqa.processes._spawn import (
+    PR_SET_DUMPABLE,
+    WorkerProcess,
+    prctl,
+    spawn_worker,
+    stop_workers,
+    worker_path,
+)
+from hcqa.processes.ipc import PeerGone, offer_signal, recv_message, send_message
+from hcqa.signals import Signal
+
+__all__ = [
+    "PipelineItem",
+    "ProcessPipeline",
+    "ProcessPipelineStatistics",
+    "ProcessStage",
+    "open_process_pipeline",
+]
+
+
+@attrs.frozen(kw_only=True)
+class ProcessPipelineStatistics:
+    """What :meth:`ProcessPipeline.statistics` reports."""
+
+    stages: int
+    depth: int
+    in_flight: int  # slots taken by items now (held by callers, or retired)
+    retired: int  # of those, items whose caller left before the item left every stage
+    completed: int
+    loans: int  # spare output slots for lent results
+    lent: int  # of those, held by results (or retired items) now
+    loaned: int  # results lent so far
+    workers: tuple[int, ...]  # their pids
+    faulted: bool
+
+
+class ProcessPipeline:
+    """Microbatches through stages in worker processes: ``await pipe(x)``."""
+
+    def __init__(
+        self,
+        device: Device,
+        stages: Sequence[ProcessStage],
+        *,
+        in_shape: tuple[int, ...],
+        dtype: npt.DTypeLike,
+        depth: int,
+        hang_limit: float = 30.0,
+    ) -> None:
+        self.device = device
+        self.stages = tuple(stages)
+        self.depth = depth
+        self.hang_limit = float(hang_limit)
+        self.in_shape = tuple(in_shape)
+        self.dtype = np.dtype(dtype)
+        self.shapes: list[tuple[tuple[int, ...], np.dtype[Any]]] = [(self.in_shape, self.dtype)]
+        for s in self.stages:
+            shape, dt = self.shapes[-1]
+            self.shapes.append(
+                (tuple(s.out_shape) if s.out_shape else shape, np.dtype(s.out_dtype or dt))
+            )
+        out_shape, out_dtype = self.shapes[-1]
+        out_nbytes = math.prod(out_shape) * out_dtype.itemsize
+        loans = 0  # spare output slots for lent results: up to depth, within budget
+        if out_nbytes > _items.INLINE_COPY:
+            loans = min(depth, max(1, _items.LOAN_BUDGET // out_nbytes))
+        self.loans = loans
+        # buffers[j][slot]: the input of stage j (j = len(stages): the final output,
+        # whose row also holds the loan slots, depth ... depth + loans - 1)
+        self.rows = [depth] * (len(self.shapes) - 1) + [depth + loans]
+        check_fds(sum(self.rows) + 1, len(self.stages))
+        self.buffers: list[list[Buffer]] = []
+        try:
+            for (shape, dt), n in zip(self.shapes, self.rows, strict=True):
+                row = [device.alloc(shape=shape, dtype=dt, shared=True) for _ in range(n)]
+                self.buffers.append(row)
+            # slot_table[k % depth] = (slot, output slot) of item k, written before
+            # ``fed`` reaches k; the output slot is the slot itself or a loan
+            self.slot_table = device.alloc(shape=(depth, 2), dtype="int64", shared=True)
+        except OSError as exc:
+            sizes = [math.prod(sh) * dt.itemsize for sh, dt in self.shapes]
+            total = sum(b * n for b, n in zip(sizes, self.rows, strict=True))
+            raise OutOfMemory(
+                f"the process pipeline's shared slots ({total} bytes in {sum(self.rows)} "
+                f"buffers) could not be allocated: {exc.strerror or exc}"
+            ) from exc
+        self._table = self.slot_table._kernel_array()
+        self.pool = SlotPool(depth, loans)
+        self.loaned = 0  # outputs handed out without a copy
+        self.signals: dict[str, Signal] = {"fed": Signal(name="fed")}
+        for i in range(len(self.stages)):
+            self.signals[f"done{i}"] = Signal(name=f"done{i}")
+        self._fed_signal = self.signals["fed"]
+        self._last = self.signals[f"done{len(self.stages) - 1}"]
+        # the slots as arrays: the first stage's inputs, the last stage's outputs
+        self._inputs = [b._kernel_array() for b in self.buffers[0]]
+        self._outputs = [b._kernel_array() for b in self.buffers[-1][:depth]]
+        self.workers: list[WorkerProcess] = []
+        self._fed: set[int] = set()  # items whose input is ready, not yet in the prefix
+        self._idle: trio.Event | None = None  # the watchdog sleeps on it while idle
+        self.fault: HcqaError | None = None
+        self.completed = 0
+        self._closing = False
+
+    def statistics(self) -> ProcessPipelineStatistics:
+        """A frozen snapshot: slots in use, items completed, loans held, worker pids."""
+        return ProcessPipelineStatistics(
+            stages=len(self.stages),
+            depth=self.depth,
+            in_flight=self.pool.in_flight(),
+            retired=len(self.pool.retired),
+            completed=self.completed,
+            loans=self.loans,
+            lent=self.loans - len(self.pool.free_loans),
+            loaned=self.loaned,
+            workers=tuple(w.pid for w in self.workers),
+            faulted=self.fault is not None,
+        )
+
+    def __repr__(self) -> str:
+        names = " -> ".join(s.fn for s in self.stages)
+        return f"<ProcessPipeline {names} depth={self.depth}>"
+
+    # -- items ------------------------------------------------------------------------------
+
+    async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Run one item through every stage process; returns the last stage's output."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, x)
+        arr = check_input(x, self.in_shape, self.dtype)
+        k, slot, oslot = await self._take(fast=True, loan=True)
+        fed = lent = False
+        try:
+            await _items.copy(self._inputs[slot], arr, lambda: self._copy_in(slot, arr))
+            fed = True
+            self._feed(k)
+            await self._last.wait(k)
+            self.completed += 1
+            if oslot != slot:
+                lent = True
+                return self._lend(oslot)
+            view = self._outputs[slot]
+            out = np.empty_like(view)
+            await _items.copy(out, view, lambda: self.buffers[-1][slot].copyout(out))
+            return out
+        finally:
+            if not fed:
+                self._feed(k)  # passed through with whatever its slot holds; dropped
+            self._release(k, slot, oslot, lent)
+
+    async def _take(self, *, fast: bool, loan: bool) -> tuple[int, int, int]:
+        """A slot for the next item (see ``SlotPool.take``), entered in the slot table."""
+        k, slot, oslot = await self.pool.take(fast=fast, loan=loan)
+        row = self._table[k % self.depth]
+        row[0], row[1] = slot, oslot
+        return k, slot, oslot
+
+    async def _copy_in(self, slot: int, arr: npt.NDArray[Any]) -> None:
+        """The largest inputs go through the copy engine: shielded, so a cancelled caller
+        never leaves the engine writing a slot that is already fed (and reused)."""
+        fence = self.buffers[0][slot].copyin(arr)
+        with trio.CancelScope(shield=True):
+            await fence
+
+    def _release(self, k: int, slot: int, oslot: int, lent: bool = False) -> None:
+        pool = self.pool
+        finished = self._last.value
+        pool.release(k, slot, oslot, left=finished >= k, lent=lent)
+        if pool.retired:
+            pool.reclaim(finished)
+
+    def _lend(self, oslot: int) -> npt.NDArray[Any]:
+        """The output in loan slot ``oslot``, lent: see ``_items.lend``."""
+        self.loaned += 1
+        pool = self.pool
+        return _items.lend(self.buffers[-1][oslot], lambda: pool.give_loan(oslot))
+
+    @asynccontextmanager
+    async def item(self) -> AsyncIterator[PipelineItem]:
+        """One item, zero-copy: write ``item.input`` in place, ``await item.run()`` returns
+        the output *as a view of the shared slot*, valid until the block is left.
+
+        Takes one of the ``depth`` slots for the block (backpressure). Items run in the
+        order they were taken; one whose block is left without ``run()`` is passed through
+        the stages with whatever its input slot holds, and its output is dropped. Either
+        way the slot is reused only once the item has left every stage."""
+        k, slot, _ = await self._take(fast=False, loan=False)
+        item = PipelineItem(self, k, slot)
+        try:
+            yield item
+        finally:
+            item.done = True
+            if not item.fed:
+                item.fed = True
+                self._feed(k)
+            self._release(k, slot, slot)
+
+    def _feed(self, k: int) -> None:
+        """Item ``k``'s input is in place: ``fed`` moves over the prefix of such items."""
+        if self._idle is not None:
+            self._idle.set()
+            self._idle = None
+        ready, sig = self._fed, self._fed_signal
+        v = sig.value
+        if k == v + 1 and not ready:  # in order: the common case
+            sig._set_from_engine(k)
+            return
+        ready.add(k)
+        while v + 1 in ready:
+            v += 1
+            ready.discard(v)
+        if v != sig.value:
+            sig._set_from_engine(v)
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _stage_signals(self, i: int) -> list[str]:
+        return ["fed" if i == 0 else f"done{i - 1}", f"done{i}"]
+
+    def _who(self, worker: WorkerProcess) -> str:
+        return f"worker {worker.index} (pid {worker.pid}, stage {self.stages[worker.index].fn!r})"
+
+    async def _died_starting(self, worker: WorkerProcess) -> DeviceFault:
+        with trio.move_on_after(1):
+            await worker.exited.wait()
+        code = worker.returncode
+        status = "still running" if code is None else f"exit status {code}"
+        return DeviceFault(
+            f"{self._who(worker)} died while starting ({status})", device=f"worker{worker.index}"
+        )
+
+    async def _connect(self, worker: WorkerProcess) -> list[int]:
+        """Phase 1: hand the worker its buffers and signals; returns its eventfds."""
+        i = worker.index
+        fds: list[int] = []
+        bufs = []
+        for b in (*self.buffers[i], *self.buffers[i + 1], self.slot_table):
+            fd, meta = b.export()
+            fds.append(fd)
+            bufs.append(meta)
+        sigs = []
+        for name in self._stage_signals(i):
+            meta, sfds = offer_signal(self.signals[name])
+            sigs.append(meta)
+            fds.extend(sfds)
+        header = {
+            "op": "setup",
+            "stage": self.stages[i].fn,
+            "args": self.stages[i].args,
+            "inputs": len(self.buffers[i]),
+            "outputs": len(self.buffers[i + 1]),
+            "column": 1 if i == len(self.stages) - 1 else 0,  # of the slot table
+            "buffers": bufs,
+            "signals": sigs,
+        }
+        try:
+            await send_message(worker.sock, header, fds)
+            reply, eventfds = await recv_message(worker.sock)
+        except (PeerGone, OSError):
+            raise await self._died_starting(worker) from None
+        if reply.get("op") != "ready" or len(eventfds) != 2:
+            for fd in eventfds:
+                os.close(fd)
+            raise DeviceFault(
+                f"{self._who(worker)} failed to set up: {reply.get('error', reply)}",
+                device=f"worker{i}",
+            )
+        return eventfds
+
+    async def _mesh(self, eventfds: list[list[int]]) -> None:
+        """Phase 2: every participant of a signal gets the others' eventfds as peers."""
+        holders: dict[str, list[tuple[int, int]]] = {}
+        for w, fds in zip(self.workers, eventfds, strict=True):
+            for name, fd in zip(self._stage_signals(w.index), fds, strict=True):
+                holders.setdefault(name, []).append((w.index, fd))
+        for name, held in holders.items():
+            for _, fd in held:
+                self.signals[name].add_peer(fd)  # the coordinator wakes every worker copy
+        for w in self.workers:
+            send: list[int] = []
+            names: list[str] = []
+            for name in self._stage_signals(w.index):
+                for j, fd in holders[name]:
+                    if j != w.index:
+                        send.append(fd)
+                        names.append(name)
+            try:
+                await send_message(w.sock, {"op": "peers", "names": names}, send)
+            except (PeerGone, OSError):
+                raise await self._died_starting(w) from None
+
+    # -- watchers: a worker's death, a stage's error, a stalled stage, retired slots --------
+
+    async def _watch(self, worker: WorkerProcess) -> None:
+        """Turn a worker's death (its socket closing) or its stage's error into a fault."""
+        what = "died: its socket closed"
+        try:
+            while True:
+                message, extra = await recv_message(worker.sock)
+                for e in extra:
+                    os.close(e)
+                if message.get("op") == "fault":
+                    what = f"failed: {message.get('error')}"
+                    break
+        except (PeerGone, OSError):
+            pass
+        self._fail(worker, what)
+
+    async def _watch_exit(self, worker: WorkerProcess) -> None:
+        """The process's own exit (a pidfd): caught even if the socket stays open."""
+        code = await worker.watch()
+        self._fail(worker, f"exited with status {code}")
+
+    def _fail(self, worker: WorkerProcess, what: str) -> None:
+        if not self._closing:
+            self._fault(DeviceFault(f"{self._who(worker)} {what}", device=f"worker{worker.index}"))
+
+    def _fault(self, fault: HcqaError) -> None:
+        """Sticky: every waiter, now and later, raises ``fault``."""
+        if self.fault is not None:
+            return
+        self.fault = fault
+        for sig in self.signals.values():
+            sig._break(fault)
+        self.pool.close(self._refusal)
+
+    def _refusal(self) -> BaseException:
+        if self.fault is not None:
+            return self.fault
+        return DeviceClosed("the process pipeline is closed")
+
+    async def _reap(self) -> None:
+        """While items are retired, sleep on the last stage's signal and free them."""
+        pool = self.pool
+        while True:
+            await pool.retired_event.wait()
+            if not pool.retired:
+                continue
+            try:
+                await self._last.wait(pool.retired[0][0])
+            except HcqaError:
+                return  # faulted or closed: slots no longer matter
+            pool.reclaim(self._last.value)
+
+    async def _watchdog(self) -> None:
+        """No progress for ``hang_limit`` in a stage that has work: the pipeline hangs.
+
+        Sleeps while idle (until the next item is fed), else wakes every quarter limit
+        and compares each busy stage's ``done`` value with what it saw: a stage whose
+        value stood still for a whole limit while its input was ahead is stalled (stuck,
+        stopped, or looping); one that keeps finishing items, however slowly, is not."""
+        limit = self.hang_limit
+        if math.isinf(limit):
+            return
+        n = len(self.stages)
+        inputs = [self.signals[name] for name in ["fed", *(f"done{i}" for i in range(n - 1))]]
+        dones = [self.signals[f"done{i}"] for i in range(n)]
+        seen = [-1] * n
+        since: list[float | None] = [None] * n  # busy and unchanged since then
+        while True:
+            if inputs[0].value <= dones[-1].value:
+                self._idle = trio.Event()
+                await self._idle.wait()
+            await trio.sleep(limit / 4)
+            now = trio.current_time()
+            for i in range(n):
+                done = dones[i].value
+                if inputs[i].value <= done:
+                    since[i] = None  # nothing to do: waiting is not hanging
+                elif done != seen[i] or since[i] is None:
+                    since[i] = now
+                elif now - since[i] >= limit:  # type: ignore[operator]
+                    self._hang(i, done)
+                    return
+                seen[i] = done
+
+    def _hang(self, i: int, done: int) -> None:
+        worker = self.workers[i]
+        self._fault(
+            SignalTimeout(
+                f"stage {i} ({self.stages[i].fn!r}, worker pid {worker.pid}) made no progress "
+                f"for {self.hang_limit:g} s: item {done + 1} entered it and did not leave "
+                f"(signal 'done{i}' stayed at {done}); the pipeline is faulted and its "
+                "workers killed",
+                signal=f"done{i}",
+                expected=done + 1,
+                seen=done,
+                device=f"worker{i}",
+            )
+        )
+        for w in self.workers:
+            w.kill()
+
+    # -- closing ----------------------------------------------------------------------------
+
+    async def _drain(self, grace: float) -> None:
+        """A normal exit: let the items already fed leave (within ``grace``)."""
+        with trio.move_on_after(grace):
+            try:
+                await self._last.wait(self._fed_signal.value)
+            except HcqaError:
+                pass
+
+    def _close(self) -> None:
+        """Every task parked on the pipeline (a slot, a result) raises DeviceClosed (or
+        the fault); every later call too."""
+        self._closing = True
+        if self.fault is None:
+            closed = DeviceClosed("the process pipeline is closed")
+            for sig in self.signals.values():
+                sig._break(closed)
+        self.pool.close(self._refusal)
+
+
+class PipelineItem:
+    """One item of a :class:`ProcessPipeline` (see :meth:`ProcessPipeline.item`)."""
+
+    def __init__(self, pipe: ProcessPipeline, number: int, slot: int) -> None:
+        self.pipe = pipe
+        self.number = number
+        self.slot = slot
+        self.fed = False
+        self.done = False
+
+    @property
+    def input(self) -> npt.NDArray[Any]:
+        """The input slot, to fill in place before :meth:`run`."""
+        self._check()
+        return self.pipe._inputs[self.slot]
+
+    async def run(self) -> npt.NDArray[Any]:
+        """Hand the input to the first stage; returns a view of the last stage's output."""
+        self._check()
+        if self.fed:
+            raise InvalidCommand(f"item {self.number} was already run")
+        self.fed = True
+        pipe = self.pipe
+        pipe._feed(self.number)
+        await pipe._last.wait(self.number)
+        pipe.completed += 1
+        return pipe._outputs[self.slot]
+
+    def _check(self) -> None:
+        if self.done:
+            raise InvalidCommand(f"item {self.number}'s slot was released (its block ended)")
+
+
+@asynccontextmanager
+async def open_process_pipeline(
+    stages: Sequence[ProcessStage | str],
+    *,
+    in_shape: tuple[int, ...],
+    dtype: npt.DTypeLike = "float32",
+    depth: int = 2,
+    grace: float = 5.0,
+    hang_limit: float = 30.0,
+    blas_threads: int | None = 1,
+    path: Sequence[str] = (),
+    private: bool = False,
+) -> AsyncIterator[ProcessPipeline]:
+    """Start a worker process per stage and yield a :class:`ProcessPipeline` over them.
+
+    ``hang_limit``: a stage with work that finishes nothing for that long faults the
+    pipeline (every waiting call raises :class:`~hcqa.errors.SignalTimeout` naming the
+    stage and its worker's pid) and its workers are killed; ``inf``: no limit.
+    ``grace``: on close, how long items already fed may take to finish, and workers to
+    exit before they are killed. ``path``: directories the workers import stages from,
+    before the coordinator's ``sys.path`` (whose working directory is never used).
+    ``private``: make the coordinator and the workers non-dumpable (``PR_SET_DUMPABLE``
+    0), so other processes of the same user can't reach the shared memory through
+    ``/proc`` -- nor attach a debugger. ``blas_threads`` limits each worker's
+    BLAS/OpenMP pool (None: inherit), so the workers, not BLAS threads, are the unit of
+    parallelism."""
+    specs, shape, dt = check_arguments(
+        stages,
+        in_shape=in_shape,
+        dtype=dtype,
+        depth=depth,
+        grace=grace,
+        hang_limit=hang_limit,
+        blas_threads=blas_threads,
+        path=path,
+    )
+    if aio.asyncio_caller():
+        make = functools.partial(
+            open_process_pipeline,
+            specs,
+            in_shape=shape,
+            dtype=dt,
+            depth=depth,
+            grace=grace,
+            hang_limit=hang_limit,
+            blas_threads=blas_threads,
+            path=path,
+            private=private,
+        )
+        async with aio.hosted(make, "open_process_pipeline") as hosted:
+            yield hosted
+        return
+    sys_path = worker_path(path)
+    if private:
+        prctl(PR_SET_DUMPABLE, 0)
+    pipe: ProcessPipeline | None = None
+    try:
+        async with open_device("cpu:0") as device:
+            pipe = ProcessPipeline(
+                device, specs, in_shape=shape, dtype=dt, depth=depth, hang_limit=hang_limit
+            )
+            error: BaseException | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    try:
+                        for i in range(len(specs)):
+                            worker = spawn_worker(i, blas_threads, sys_path, private=private)
+                            pipe.workers.append(worker)
+                            nursery.start_soon(
+                                pipe._watch_exit, worker, name=f"worker {i} exit"
+                            )
+                        eventfds = [await pipe._connect(w) for w in pipe.workers]
+                        await pipe._mesh(eventfds)
+                        for w in pipe.workers:
+                            nursery.start_soon(pipe._watch, w, name=f"worker {w.index} watch")
+                        nursery.start_soon(pipe._reap, name="process pipeline reaper")
+                        nursery.start_soon(pipe._watchdog, name="process pipeline watchdog")
+                        yield pipe
+                        await pipe._drain(grace)
+                    except BaseException as exc:
+                        error = exc
+                    pipe._close()
+                    with trio.CancelScope(shield=True):
+                        await stop_workers(pipe.workers, grace)
+                    nursery.cancel_scope.cancel()
+            finally:
+                for w in pipe.workers:
+                    w.sock.close()
+                    w.reap()
+                # Drop our numpy views of the shared memory: an mmap can only unmap (and
+                # close its own dup of the memfd) once no view exports it.
+                for row in pipe.buffers:
+                    for b in row:
+                        b._array = None
+                pipe.buffers = []
+                pipe._inputs, pipe._outputs = [], []
+                pipe.slot_table._array = None
+                pipe._table = np.empty(0, np.int64)
+            if error is not None:
+                raise error
+    finally:
+        # Only now that the device has drained (or dropped) its copies and their
+        # Signal commands may the signals go: an engine must never write a closed one.
+        if pipe is not None:
+            for sig in pipe.signals.values():
+                sig.close()
