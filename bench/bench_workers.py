@@ -176,7 +176,7 @@ def emit_cpu(key: str, pct: dict[str, float]) -> None:
 async def _hcqa_round(plan: Plan) -> None:
     import trio
 
-    from hcqa.workers import ProcessPipeline, open_process_pipeline
+    from hcqa.processes import ProcessPipeline, open_process_pipeline
 
     me = os.getpid()
 
@@ -670,7 +670,7 @@ def _per_round(name: str, rounds: Iterable[dict[str, Any]]) -> str:
 async def _hops(items: int) -> None:
     """Where an item's time goes in hcqa: the stages stamp their kernels' start and end
     (``bench._stages:stamp0/1``, float64 payloads), the coordinator stamps submit/return."""
-    from hcqa.workers import open_process_pipeline
+    from hcqa.processes import open_process_pipeline
 
     names = ["submit -> stage 0 starts", "stage 0 runs", "stage 0 ends -> stage 1 starts"]
     names += ["stage 1 runs", "stage 1 ends -> caller resumes", "total"]

@@ -5,7 +5,7 @@ Theory of operation
 Signals need their value where *anyone* can write it: an engine thread, a C kernel,
 another process. So slots live in pages of a memfd mapped ``MAP_SHARED``: a forked
 child shares them, and the page's fd can be handed to another process
-(``hcqa.ipc``) which maps the same memory. A process keeps its pages for its whole
+(``hcqa.processes.ipc``) which maps the same memory. A process keeps its pages for its whole
 life and recycles slots through a free list (zeroed on return); a page attached from
 another process (:class:`Page` with an ``fd``) is unmapped when its signal closes.
 

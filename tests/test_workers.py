@@ -1,4 +1,4 @@
-"""Cross-process signals, buffers and pipelines (hcqa.ipc, hcqa.workers)."""
+"""Cross-process signals, buffers and pipelines (hcqa.processes)."""
 
 from __future__ import annotations
 

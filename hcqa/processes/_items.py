@@ -1,4 +1,4 @@
-"""Getting a process pipeline's items into and out of shared slots (``hcqa.workers``).
+"""Getting a process pipeline's items into and out of shared slots (``hcqa.processes``).
 
 Theory of operation
 -------------------
