@@ -10,11 +10,13 @@ the caller's ``path=`` entries, and loads ``hcqa`` from the very directory the
 coordinator's came from -- so a module planted in the working directory is never
 imported, and the worker runs the same hcqa as the coordinator.
 
-The worker is forked from the trio thread itself (not trio's thread cache: the kernel's
-parent-death signal follows the *thread* that forked), so its ``PR_SET_PDEATHSIG``
-(SIGKILL, set first thing in the worker, which then checks its parent is still the
-coordinator) fires when the coordinator dies, whatever the worker is doing. The worker
-also exits at once when its socket closes.
+The kernel's parent-death signal follows the *thread* that forked, so workers are
+forked neither on trio's thread cache (an idle cached thread exits, and would take the
+workers with it) nor on the trio thread (a fork and exec blocks it for milliseconds),
+but on a :class:`ForkThread` of the pipeline's own, which lives until its workers are
+reaped. The worker's ``PR_SET_PDEATHSIG`` (SIGKILL, set first thing, after which it
+checks its parent is still the coordinator) then fires when the coordinator dies,
+whatever the worker is doing. The worker also exits at once when its socket closes.
 
 The coordinator waits for a worker's exit on a pidfd: one watcher task per worker
 (:meth:`WorkerProcess.watch`) reaps it and sets ``exited``; everyone else waits on that
@@ -27,12 +29,16 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import outcome
 import trio
 
 import hcqa
@@ -41,6 +47,7 @@ from hcqa.processes.ipc import PeerGone, check_peer, send_message
 __all__ = [
     "PR_SET_DUMPABLE",
     "PR_SET_PDEATHSIG",
+    "ForkThread",
     "WorkerProcess",
     "prctl",
     "spawn_worker",
@@ -83,6 +90,46 @@ def worker_path(extra: Sequence[str] = ()) -> list[str]:
         if entry not in out:
             out.append(entry)
     return out
+
+
+T = TypeVar("T")
+
+
+class ForkThread:
+    """A thread that forks a pipeline's workers and lives until they are reaped."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name="hcqa process-pipeline forks", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on this thread (not cancellable: a fork takes milliseconds)."""
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+
+        def job() -> None:
+            result = outcome.capture(fn)
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        self._jobs.put(job)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            return trio.lowlevel.Abort.FAILED
+
+        value: T = await trio.lowlevel.wait_task_rescheduled(abort)
+        return value
+
+    def close(self) -> None:
+        """After the workers are reaped: the thread ends (promptly)."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 class WorkerProcess:
@@ -129,7 +176,7 @@ class WorkerProcess:
 def spawn_worker(
     index: int, blas_threads: int | None, path: Sequence[str], *, private: bool
 ) -> WorkerProcess:
-    """Start a worker (synchronously, on the trio thread: see the theory above)."""
+    """Start a worker (call it on a :class:`ForkThread`: see the theory above)."""
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     env = dict(os.environ)
     if blas_threads is not None:

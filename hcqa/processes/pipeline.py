@@ -37,6 +37,7 @@ from hcqa.processes._checks import ProcessStage, check_arguments, check_fds
 from hcqa.processes._pool import SlotPool
 from hcqa.processes._spawn import (
     PR_SET_DUMPABLE,
+    ForkThread,
     WorkerProcess,
     prctl,
     spawn_worker,
@@ -538,6 +539,7 @@ async def open_process_pipeline(
     if private:
         prctl(PR_SET_DUMPABLE, 0)
     pipe: ProcessPipeline | None = None
+    forks: ForkThread | None = None
     try:
         async with open_device("cpu:0") as device:
             pipe = ProcessPipeline(
@@ -547,12 +549,15 @@ async def open_process_pipeline(
             try:
                 async with trio.open_nursery() as nursery:
                     try:
+                        forks = ForkThread()
                         for i in range(len(specs)):
-                            worker = spawn_worker(i, blas_threads, sys_path, private=private)
-                            pipe.workers.append(worker)
-                            nursery.start_soon(
-                                pipe._watch_exit, worker, name=f"worker {i} exit"
+                            worker = await forks.call(
+                                functools.partial(
+                                    spawn_worker, i, blas_threads, sys_path, private=private
+                                )
                             )
+                            pipe.workers.append(worker)
+                            nursery.start_soon(pipe._watch_exit, worker, name=f"worker {i} exit")
                         eventfds = [await pipe._connect(w) for w in pipe.workers]
                         await pipe._mesh(eventfds)
                         for w in pipe.workers:
@@ -571,6 +576,8 @@ async def open_process_pipeline(
                 for w in pipe.workers:
                     w.sock.close()
                     w.reap()
+                if forks is not None:
+                    forks.close()  # only now: the workers' parent-death signal follows it
                 # Drop our numpy views of the shared memory: an mmap can only unmap (and
                 # close its own dup of the memfd) once no view exports it.
                 for row in pipe.buffers:
