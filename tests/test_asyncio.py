@@ -167,6 +167,9 @@ def test_process_pipeline_under_asyncio() -> None:
             results = await asyncio.gather(*(pipe(x + i) for i in range(6)))
             for i, y in enumerate(results):
                 np.testing.assert_array_equal(y, x + i + 2)
+            async with pipe.item() as item:  # zero-copy items too
+                item.input[:] = x * 10
+                np.testing.assert_array_equal(await item.run(), x * 10 + 2)
             pids = [w.pid for w in pipe.workers]
         for pid in pids:
             with pytest.raises(ChildProcessError):
@@ -575,3 +578,61 @@ def test_memory_only_write_wakes_an_asyncio_owner_within_100ms() -> None:
 
     late = run(main)
     assert late < 0.1, late
+
+
+def test_cancel_at_every_step_of_a_block_leaves_nothing() -> None:
+    """Cancel a task using devices after 0, 1, 2, ... loop iterations: whatever the await it
+    is in (host start, entering the block, a fence, a pipeline step, leaving the block), it
+    gets CancelledError, the devices end closed and no host, task or trio run is left."""
+    a = np.arange(8, dtype=np.float32)
+    reached_end = False
+
+    async def user(devices: list[hcqa.Device]) -> None:
+        nonlocal reached_end
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            devices += [d0, d1]
+            pipe = hcqa.Pipeline([(d0, inc), (d1, double)], in_shape=(8,))
+            np.testing.assert_array_equal(await pipe(a), (a + 1) * 2)
+            x = d0.alloc(shape=(8,), dtype="float32")
+            await x.copyin(a)
+            await d1.synchronize()
+        reached_end = True
+
+    async def main() -> None:
+        for ticks in range(200):
+            devices: list[hcqa.Device] = []
+            task = asyncio.ensure_future(user(devices))
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            if task.done():
+                await task
+                assert ticks > 10  # the cancellations above hit many different awaits
+                break
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert all(d.closed for d in devices)
+            assert not aio._hosts
+        assert reached_end
+
+    run(main)
+
+
+def test_one_host_per_loop_in_several_threads() -> None:
+    a = np.arange(8, dtype=np.float32)
+    results: list[Any] = []
+
+    async def main() -> None:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            pipe = hcqa.Pipeline([(d0, inc), (d1, double)], in_shape=(8,))
+            results.append(await pipe.map([a] * 4))
+
+    threads = [threading.Thread(target=asyncio.run, args=(main(),)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert len(results) == 3
+    for r in results:
+        for y in r:
+            np.testing.assert_array_equal(y, (a + 1) * 2)

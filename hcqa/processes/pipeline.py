@@ -222,6 +222,10 @@ class ProcessPipeline:
         order they were taken; one whose block is left without ``run()`` is passed through
         the stages with whatever its input slot holds, and its output is dropped. Either
         way the slot is reused only once the item has left every stage."""
+        if aio.asyncio_caller():  # the slot is taken and given back in the trio host
+            async with aio.hosted(self.item, "ProcessPipeline.item") as hosted:
+                yield hosted
+            return
         k, slot, _ = await self._take(fast=False, loan=False)
         item = PipelineItem(self, k, slot)
         try:
