@@ -319,7 +319,7 @@ COMMANDS: dict[str, Command] = {
         run=_run_demo,
     ),
     "bench": Command(
-        help="run the benchmarks under bench/ (repository checkout) and print one table",
+        help="run the benchmarks under bench/ (repository checkout): one table of verdicts",
         configure=_configure_bench,
         run=_run_bench,
     ),
