@@ -22,6 +22,14 @@ What is measured (all rows interleaved round by round in a rotating order; quote
    reported), replay + synchronize per call; its marginal per-kernel cost is taken over
    10 -> 100 (capturing 1000 takes tinygrad ~10 s; its ~10 µs per kernel dwarfs the noise).
    Target: hcqa's C replay of 100 ahead of its replay of 100.
+
+``python -m bench.bench_graph --patching [--quick]`` (issue 17) measures instead, interleaved
+round by round in a rotating order, a 200-kernel C graph (``k(out, a, n)`` chained over 201
+buffers): replayed with constants; with one Variable in every launch whose value changes each
+replay; with that value unchanged; and the constant graph with two buffers (its input and its
+output) rebound every replay. Both the whole replay (``await g(...)``) and the submit alone
+(``g.submit(...)``, its fence awaited outside the timing) are reported. Targets: changing ≤
+1.5x constants, unchanged ≤ 1.1x, rebinding two buffers ≤ 1.2x the same replay without.
 """
 
 from __future__ import annotations
@@ -257,8 +265,105 @@ def report(
     return rows, lines
 
 
+PATCH_SRC = """
+void k(float *out, const float *a, int n) { out[0] = a[0] + (float)(n & 1); }
+"""
+PATCH_KERNELS = 200
+
+
+async def patching(quick: bool) -> None:
+    """Issue 17: symbolic and rebinding replays against the constant replay (see doc)."""
+    import statistics
+
+    t_start = time.perf_counter()
+    rounds = 150 if quick else 1000
+    n = hcqa.Variable("n", 0, 1 << 30)
+    async with hcqa.open_device("cpu:0") as d:
+        prog = d.program("k", PATCH_SRC)
+        bufs = [d.alloc(shape=(16,), dtype="float32") for _ in range(PATCH_KERNELS + 1)]
+        x2, out2 = d.alloc(shape=(16,), dtype="float32"), d.alloc(shape=(16,), dtype="float32")
+        with hcqa.capture() as g_sym:
+            for i in range(PATCH_KERNELS):
+                prog(bufs[i + 1], bufs[i], vals=(n,))
+        with hcqa.capture() as g_const:
+            for i in range(PATCH_KERNELS):
+                prog(bufs[i + 1], bufs[i], vals=(3,))
+        rebind = {bufs[0]: x2, bufs[PATCH_KERNELS]: out2}
+        k = 0
+
+        def const() -> Any:
+            return g_const.submit()
+
+        def changing() -> Any:
+            return g_sym.submit(n=k)
+
+        def same() -> Any:
+            return g_sym.submit(n=5)
+
+        def rebound() -> Any:
+            return g_const.submit(buffers=rebind)
+
+        cases = {"constants": const, "variable, changing": changing}
+        cases |= {"variable, unchanged": same, "constants, 2 buffers rebound": rebound}
+        whole: dict[str, list[float]] = {c: [] for c in cases}
+        submit: dict[str, list[float]] = {c: [] for c in cases}
+        names = list(cases)
+        for r in range(rounds + 20):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                k += 1
+                t0 = time.perf_counter_ns()
+                fence = cases[name]()
+                t1 = time.perf_counter_ns()
+                await fence
+                t2 = time.perf_counter_ns()
+                if r >= 20:  # warm-up rounds are not counted
+                    submit[name].append((t1 - t0) / 1e3)
+                    whole[name].append((t2 - t0) / 1e3)
+        stats = g_sym.statistics(), g_const.statistics()
+    p50 = {c: statistics.median(v) for c, v in whole.items()}
+    s50 = {c: statistics.median(v) for c, v in submit.items()}
+    rows = []
+    for c in cases:
+        base = "constants"
+        cells = [f"{p50[c]:.1f}", f"{p50[c] / p50[base]:.2f}x", f"{s50[c]:.1f}"]
+        rows.append([c, *cells, f"{s50[c] / s50[base]:.2f}x"])
+    print(header("bench_graph --patching", quick, f"{PATCH_KERNELS} C kernels, {rounds} rounds"))
+    print(
+        markdown_table(
+            [
+                "replay of the 200-kernel graph",
+                "replay p50 µs",
+                "vs constants",
+                "submit p50 µs",
+                "vs constants",
+            ],
+            rows,
+        )
+    )
+    ratio = {c: p50[c] / p50["constants"] for c in cases}
+    targets = [
+        ("variable, changing", 1.5),
+        ("variable, unchanged", 1.1),
+        ("constants, 2 buffers rebound", 1.2),
+    ]
+    lines = [
+        verdict(f"{c} ≤ {t}x constants", ratio[c] <= t, f"{ratio[c]:.2f}x") for c, t in targets
+    ]
+    lines.append(
+        f"- native runs: symbolic graph {stats[0].native_runs}, constant graph "
+        f"{stats[1].native_runs}"
+    )
+    print_footer(None, lines, t_start)
+
+
 def cli(argv: Sequence[str] | None = None) -> None:
-    run_quick_cli(main, __doc__, argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--patching" in args:
+        args.remove("--patching")
+        run_quick_cli(patching, __doc__, args)
+        return
+    run_quick_cli(main, __doc__, args)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,21 @@ At the end of the block the graph is *built*, once:
 * Each queue's part becomes a *template* batch: static commands shared by every
   replay, plus *patch slots* for what changes per replay -- signal values
   (they count on from wherever the queue's signal is at replay time) and
-  commands with variables. Consecutive C kernels with fixed arguments on a cpu
-  device are fused into one native runner call (``crunner.py``).
+  commands with variables (only those: a static command of a batch that also has a
+  symbolic one stays static). Consecutive C kernels on a cpu device are fused into
+  one native runner call (``crunner.py``), those with variables too: their entries
+  of the runner's argument table are filled per replay.
 
-Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves every
-patch slot first -- an unbound or out-of-range variable raises
-:class:`~hcqa.errors.InvalidCommand` before anything is sent -- then sends one
-message per queue. The graph's boundary is ordered against everything else
+Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves each distinct
+expression once, then the patch slots -- a slot whose values did not change since its
+last build is sent as built then (``_patch.py``); an unbound or out-of-range variable
+raises :class:`~hcqa.errors.InvalidCommand` before anything is sent -- then sends one
+message per queue, saying whether it holds Waits (so an idle actor need not scan it).
+
+``buffers={captured: new}`` replays on other buffers of the same device, nbytes, dtype
+and shape: the entries that mention them are rebuilt for that replay (fused runs
+rebind their address entries and stay fused), and the replay's hazards are tracked
+on the new buffers. The graph's boundary is ordered against everything else
 with the same buffer hazards as eager work, so replays of one graph from
 several tasks, or eager work around a replay, serialize correctly: a replay
 simply queues behind the previous one.
@@ -48,11 +56,19 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
+from hcqa._patch import (
+    CommandSlot,
+    RunSlot,
+    buffers_of,
+    check_rebind,
+    rebind_command,
+    resolve_all,
+    symbols_of,
+)
 from hcqa.actors import Batch
 from hcqa.devices.buffer import hazard_waits
-from hcqa.devices.crunner import fuse_static_runs
+from hcqa.devices.crunner import fuse_runs
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
-from hcqa.queue import _resolve_command
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, Variable, VarVals, variables_of
 
@@ -113,12 +129,21 @@ class _Part:
 
     actor: QueueActor
     template: list[Any]
-    patches: list[tuple[int, str, Any]]  # (index, kind, data)
+    patches: list[tuple[int, str, Any]]  # (index, kind, data): signal and wait values
+    slots: list[tuple[int, CommandSlot | RunSlot]]  # entries with variables
+    touch: dict[Buffer, list[int]]  # template entries that mention each buffer
+    waits: bool  # whether the part's batch holds a Wait
     nsignals: int
     reads: tuple[Buffer, ...]
     writes: tuple[Buffer, ...]
     also: tuple[Device, ...]
     transfers: list[int]  # signal indices after cross-device transfers, for the fan-out
+    read_at: dict[Buffer, int] = attrs.Factory(dict)  # positions in reads / writes
+    write_at: dict[Buffer, int] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.read_at = {b: i for i, b in enumerate(self.reads)}
+        self.write_at = {b: i for i, b in enumerate(self.writes)}
 
 
 def _conflicts(
@@ -154,6 +179,13 @@ class Graph:
         self._capture_signal = _placeholder()
         self._sink: QueueActor | None = None
         self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
+        self._symbols: tuple[Any, ...] = ()  # the distinct expressions of the patch slots
+        self._captured: dict[Buffer, int] = {}  # every buffer used -> its allocation id
+        self._shared: set[Buffer] = set()  # those whose allocation another buffer shares
+        self._allocations: frozenset[int] = frozenset()
+        # where each buffer sits in _owners / _final (to substitute rebound ones)
+        self._owner_at: dict[Buffer, int] = {}
+        self._final_at: dict[Buffer, int] = {}
         # per allocation touched: (a buffer, last writer queue or None, queues reading since)
         self._final: list[tuple[Buffer, QueueActor | None, tuple[QueueActor, ...]]] = []
 
@@ -254,6 +286,20 @@ class Graph:
         self._sink = self._nodes[-1].actor if self._nodes else None
         for q, nodes in order.items():
             self._parts.append(self._build_part(q, nodes, position, sidx, order))
+        symbols: dict[Any, None] = {}
+        for part in self._parts:
+            for _, slot in part.slots:
+                symbols.update(dict.fromkeys(slot.symbols))
+            for b in part.touch:
+                self._captured[b] = id(b._hazards)
+        self._symbols = tuple(symbols)
+        per_allocation: dict[int, int] = {}
+        for a in self._captured.values():
+            per_allocation[a] = per_allocation.get(a, 0) + 1
+        self._shared = {b for b, a in self._captured.items() if per_allocation[a] > 1}
+        self._allocations = frozenset(per_allocation)
+        self._owner_at = {b: i for i, b in enumerate(self._owners)}
+        self._final_at = {b: i for i, (b, _, _) in enumerate(self._final)}
 
     def _build_part(
         self,
@@ -275,10 +321,10 @@ class Graph:
                 patches.append((len(template), "wait", (p, sidx[order[p][pos]])))
                 template.append(None)
             for c in n.commands:
-                if n.symbolic:
+                if n.symbolic and type(c) is not cmd.Exec and symbols_of(c):
                     patches.append((len(template), "command", c))
                     template.append(None)
-                else:
+                else:  # static, or an Exec: fuse_runs makes a slot of it if it must
                     template.append(c)
             if n.signals:
                 patches.append((len(template), "signal", sidx[n]))
@@ -294,12 +340,33 @@ class Graph:
         nsig += 1  # the part's final signal
         patches.append((len(template), "signal", nsig))
         template.append(None)
-        template, patches, fused = fuse_static_runs(template, patches)
+        template, patches, fused = fuse_runs(template, patches)
         self._native += fused
+        slots: list[tuple[int, CommandSlot | RunSlot]] = []
+        values: list[tuple[int, str, Any]] = []
+        for index, kind, data in patches:
+            if kind == "command":
+                slots.append((index, CommandSlot(data)))
+            elif kind == "run":
+                slots.append((index, RunSlot(data)))
+            else:
+                values.append((index, kind, data))
+        touch: dict[Buffer, list[int]] = {}
+        entries = [(i, c) for i, c in enumerate(template) if c is not None]
+        entries += [(i, s.command if isinstance(s, CommandSlot) else s.run) for i, s in slots]
+        for i, c in entries:
+            for b in dict.fromkeys(buffers_of(c)):
+                touch.setdefault(b, []).append(i)
+        waits = any(kind == "wait" for _, kind, _ in values) or any(
+            type(c) is cmd.Wait for c in template
+        )
         return _Part(
             actor=q,
             template=template,
-            patches=patches,
+            patches=values,
+            slots=slots,
+            touch=touch,
+            waits=waits,
             nsignals=nsig,
             reads=tuple(b for k, b in reads.items() if k not in writes),
             writes=tuple(writes.values()),
@@ -318,8 +385,11 @@ class Graph:
             )
         return {v: var_vals[v.name] for v in self._variables if v.name in var_vals}
 
-    def _batches(self, var_vals: VarVals) -> list[tuple[_Part, list[Any], int]]:
+    def _batches(
+        self, var_vals: VarVals, rebind: dict[Buffer, Buffer] | None
+    ) -> list[tuple[_Part, list[Any], int]]:
         """Resolve every part's patches: (part, batch, base). Raises before anything is sent."""
+        values = resolve_all(self._symbols, var_vals) if self._symbols else {}
         bases = {part.actor: part.actor.value for part in self._parts}
         out = []
         for part in self._parts:
@@ -328,20 +398,32 @@ class Graph:
             for index, kind, data in part.patches:
                 if kind == "signal":
                     batch[index] = cmd.Signal(signal=part.actor.signal, value=base + data)
-                elif kind == "wait":
+                else:
                     p, k = data
                     batch[index] = cmd.Wait(signal=p.signal, value=bases[p] + k)
-                else:
-                    batch[index] = _resolve_command(data, var_vals)
+            touched: set[int] = set()
+            if rebind:
+                for b in rebind:
+                    touched.update(part.touch.get(b, ()))
+            for index, slot in part.slots:
+                batch[index] = slot.build(values, var_vals, rebind if index in touched else None)
+                touched.discard(index)
+            for index in touched:  # static entries on rebound buffers: for this replay only
+                batch[index] = rebind_command(batch[index], rebind)  # type: ignore[arg-type]
             out.append((part, batch, base))
         return out
 
-    def submit(self, **var_vals: int) -> Fence:
-        """Send one replay now (never blocks); the Fence is reached when all of it is done."""
-        fence, _ = self._submit(var_vals)
+    def submit(self, *, buffers: dict[Buffer, Buffer] | None = None, **var_vals: int) -> Fence:
+        """Send one replay now (never blocks); the Fence is reached when all of it is done.
+
+        ``buffers={captured: new}`` runs it on other buffers (same device, nbytes, dtype
+        and shape) for this replay."""
+        fence, _ = self._submit(var_vals, buffers)
         return fence
 
-    def _submit(self, var_vals: dict[str, Any]) -> tuple[Fence, list[Fence]]:
+    def _submit(
+        self, var_vals: dict[str, Any], buffers: object = None
+    ) -> tuple[Fence, list[Fence]]:
         if not self._built:
             raise InvalidCommand("a graph can be replayed once its capture block has ended")
         if current_capture() is not None:
@@ -349,9 +431,24 @@ class Graph:
         if not self._parts:
             raise InvalidCommand("this graph captured no work")
         bound = self._bind(var_vals)
-        for b in self._owners:
+        rebind = None
+        owners, final_state = self._owners, self._final
+        if buffers is not None:
+            rebind = check_rebind(buffers, self._captured, self._shared, self._allocations)
+            if rebind:  # the rebound buffers' entries, substituted
+                owners, final_state = list(owners), list(final_state)
+                for old, new in rebind.items():
+                    i = self._owner_at.get(old)
+                    if i is not None:
+                        owners[i] = new  # (checked already)
+                    i = self._final_at.get(old)
+                    if i is not None:
+                        final_state[i] = (new, *final_state[i][1:])
+            else:
+                rebind = None
+        for b in owners:
             b._check()  # freed or closed since the capture: refuse before anything is sent
-        resolved = self._batches(bound)
+        resolved = self._batches(bound, rebind)
         for part, _, _ in resolved:
             part.actor.device._check_usable()
             for d in part.also:
@@ -361,7 +458,15 @@ class Graph:
                     f"{part.actor.name} queue is full: await the graph to apply backpressure"
                 )
         # Boundary hazards first, for all parts, before any of this replay is recorded.
-        heads = [hazard_waits(p.actor, p.reads, p.writes) for p, _, _ in resolved]
+        if rebind is None:
+            heads = [hazard_waits(p.actor, p.reads, p.writes) for p, _, _ in resolved]
+        else:
+            heads = [
+                hazard_waits(
+                    p.actor, _swap(p.reads, p.read_at, rebind), _swap(p.writes, p.write_at, rebind)
+                )
+                for p, _, _ in resolved
+            ]
         finals: dict[QueueActor, int] = {p.actor: base + p.nsignals for p, _, base in resolved}
         fences: list[Fence] = []
         sink_fence: Fence | None = None
@@ -375,14 +480,14 @@ class Graph:
                         tail.append(cmd.Wait(signal=other.signal, value=final))
             q.value = finals[q]
             seq, steps = device._steps(part.also)
-            q.send_nowait(Batch(head + batch + tail + steps))
+            q.send_nowait(Batch(head + batch + tail + steps), part.waits or bool(head or tail))
             limit = device.hang_limit
             fences.append(Fence(q.signal, finals[q], hang_limit=limit, context=q.name))
             for k in part.transfers:
                 fences.append(Fence(q.signal, base + k, hang_limit=limit, context=q.name))
             if q is self._sink:
                 sink_fence = device._timeline.fence(seq)
-        for b, writer, readers in self._final:
+        for b, writer, readers in final_state:
             hz = b._hazards
             if writer is not None:
                 hz.write = (writer, finals[writer])
@@ -394,13 +499,17 @@ class Graph:
         assert sink_fence is not None
         return sink_fence, fences
 
-    async def __call__(self, **var_vals: int) -> None:
-        """Replay and wait for all of it; see the module doc for the error policy."""
+    async def __call__(
+        self, *, buffers: dict[Buffer, Buffer] | None = None, **var_vals: int
+    ) -> None:
+        """Replay and wait for all of it; see the module doc for the error policy.
+
+        ``buffers={captured: new}``: as for :meth:`submit`."""
         if aio.asyncio_caller():
-            return await aio.call(self.__call__, **var_vals)
+            return await aio.call(self.__call__, buffers=buffers, **var_vals)
         while True:
             try:
-                _, fences = self._submit(var_vals)
+                _, fences = self._submit(var_vals, buffers)
                 break
             except QueueFull:
                 full = next((p.actor for p in self._parts if p.actor.full), None)
@@ -460,6 +569,20 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
+
+
+def _swap(
+    bufs: tuple[Buffer, ...], at: dict[Buffer, int], rebind: dict[Buffer, Buffer]
+) -> Sequence[Buffer]:
+    """``bufs`` with the rebound ones replaced (``at``: where each sits)."""
+    out: list[Buffer] | None = None
+    for old, new in rebind.items():
+        i = at.get(old)
+        if i is not None:
+            if out is None:
+                out = list(bufs)
+            out[i] = new
+    return bufs if out is None else out
 
 
 _PLACEHOLDER: list[Signal] = []

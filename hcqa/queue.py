@@ -24,6 +24,7 @@ Both return the :class:`~hcqa.signals.Fence` of the batch on the device timeline
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,6 +33,7 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
+from hcqa._patch import CommandSlot
 from hcqa.devices.buffer import Buffer
 from hcqa.errors import InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal, _check_target
@@ -56,13 +58,6 @@ def _intlike(name: str, value: object) -> IntLike:
     return value
 
 
-def _resolved(name: str, value: IntLike, var_vals: VarVals | None) -> int:
-    v = resolve(value, var_vals)
-    if not 0 <= v < 2**64:
-        raise InvalidCommand(f"{name!r} must be in [0, 2**64 - 1] (got {v} from {value})")
-    return v
-
-
 class Queue:
     """A batch of commands for one queue of one device."""
 
@@ -75,6 +70,8 @@ class Queue:
         self._reads: dict[int, Buffer] = {}
         self._writes: dict[int, Buffer] = {}
         self._symbolic_at: list[int] = []  # positions of commands with variables
+        self._slots: list[CommandSlot] = []  # one per such position: rebuilt on change only
+        self._symbols: dict[Any, None] = {}  # the distinct expressions they mention
         self._waits = False
 
     # -- verbs ---------------------------------------------------------------------------
@@ -83,6 +80,9 @@ class Queue:
         self.device._check_usable()
         if symbolic:
             self._symbolic_at.append(len(self._commands))
+            slot = CommandSlot(command)
+            self._slots.append(slot)
+            self._symbols.update(dict.fromkeys(slot.symbols))
         self._commands.append(command)
         return self
 
@@ -199,8 +199,10 @@ class Queue:
         commands = list(self._commands)
         if var_vals is None and current_capture() is not None:
             return commands
-        for i in self._symbolic_at:  # only these change from one submit to the next
-            commands[i] = _resolve_command(commands[i], var_vals)
+        if self._slots:  # only these change from one submit to the next
+            values = {s: resolve(s, var_vals) for s in self._symbols}  # each resolved once
+            for i, slot in zip(self._symbolic_at, self._slots, strict=True):
+                commands[i] = slot.build(values, var_vals, None)  # reused if unchanged
         return commands
 
     def _send(self, commands: list[Any]) -> Fence:
@@ -251,18 +253,32 @@ def _check_copy_size(nbytes: int, dest: Buffer, src: Buffer) -> None:
         )
 
 
-def _resolve_command(c: Any, var_vals: VarVals | None) -> Any:
+def _resolve_command(
+    c: Any, var_vals: VarVals | None, values: Mapping[Any, int] | None = None
+) -> Any:
+    """``c`` with its symbolic ints resolved and checked. ``values``: the expressions'
+    values when the caller resolved each once already (a graph replay), else they are
+    resolved against ``var_vals`` here."""
+
+    def get(v: IntLike) -> int:
+        if isinstance(v, int):
+            return v
+        return values[v] if values is not None else resolve(v, var_vals)
+
     t = type(c)
     if t is cmd.Wait or t is cmd.Signal:
         if isinstance(c.value, int):
             return c
-        return attrs.evolve(c, value=_resolved("value", c.value, var_vals))
+        v = get(c.value)
+        if not 0 <= v < 2**64:
+            raise InvalidCommand(f"'value' must be in [0, 2**64 - 1] (got {v} from {c.value})")
+        return attrs.evolve(c, value=v)
     if t is cmd.Exec:
-        vals = tuple(resolve(v, var_vals) for v in c.vals)
+        vals = tuple(get(v) for v in c.vals)
         c.program.check_vals(vals)
         sizes = []
         for name in ("global_size", "local_size"):
-            dims = tuple(resolve(v, var_vals) for v in getattr(c, name))
+            dims = tuple(get(v) for v in getattr(c, name))
             if any(d < 1 for d in dims):
                 raise InvalidCommand(f"{name!r} must be positive (got {dims})")
             sizes.append(dims)
@@ -272,7 +288,7 @@ def _resolve_command(c: Any, var_vals: VarVals | None) -> Any:
     if t is cmd.Copy:
         if isinstance(c.nbytes, int):
             return c
-        n = resolve(c.nbytes, var_vals)
+        n = get(c.nbytes)
         _check_copy_size(n, c.dest, c.src)
         return attrs.evolve(c, nbytes=n)
     return c

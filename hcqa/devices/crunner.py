@@ -16,12 +16,16 @@ where each ``sigN`` is a function-pointer type built from the kernel's
 parameter list, ``fn`` holds the kernels' addresses and ``a`` their arguments
 (buffer addresses, then int vals, each widened to 64 bits). The source depends
 only on the *shapes* of the calls, so it is compiled once and cached like any
-kernel; the tables are plain ctypes arrays. One ctypes call then runs the whole
+kernel; the function table is a ctypes array. One ctypes call then runs the whole
 run with the GIL released, and the per-kernel cost is an indirect C call.
 
-Only kernels whose arguments are fixed are fused: their packed arguments
-(``Exec.args``) go into ``a`` once. Kernels with variables stay ordinary Execs,
-patched per replay like any other command.
+The argument table is a numpy ``int64`` array. Kernels whose arguments are all fixed
+are packed once. A kernel whose vals (or launch geometry, for ``geometry=True``
+kernels) hold Variables is fused too: its table entries are *symbolic* -- listed with
+the expression and the C range they must fit -- and a graph replay fills them into a
+fresh copy of the table (one numpy assignment per distinct expression, see
+``hcqa/_patch.py``), so a symbolic run stays one native call. Buffer addresses are
+listed as well (``refs``), so a replay on other buffers rebinds them the same way.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from hcqa.devices.compiler import CKernel, compile_c
 
-__all__ = ["RunC", "build_runner", "fuse_static_runs"]
+__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "wrap64"]
 
 
 def _c_int_type(ctype: type) -> str:
@@ -45,78 +50,187 @@ def _c_int_type(ctype: type) -> str:
     return f"{'' if signed else 'u'}int{bits}_t"
 
 
+_INT64 = 2**63
+
+
+def wrap64(v: int) -> int:
+    """``v`` (a C integer of up to 64 bits, signed or not) as the int64 the table holds."""
+    return v - 2**64 if v >= _INT64 else v
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class RunC:
-    """A command: call ``entry(fns, args)`` once -- every fused kernel, in order."""
+    """A command: call ``entry(fns, args)`` once -- every fused kernel, in order.
+
+    ``table`` is the argument table; ``syms`` lists its symbolic
+    entries as (position, expression, lo, hi, what) and ``refs`` its buffer addresses as
+    (position, buffer): a replay fills the former and may rebind the latter."""
 
     entry: Any = attrs.field(repr=False)
     fns: Any = attrs.field(repr=False)
-    args: Any = attrs.field(repr=False)
+    table: Any = attrs.field(repr=False)
     names: tuple[str, ...]
+    syms: tuple[tuple[int, Any, int, int, str], ...] = attrs.field(default=(), repr=False)
+    refs: tuple[tuple[int, Any], ...] = attrs.field(default=(), repr=False)
+    # per buffer: its positions in the table (for rebinding), shared by every copy
+    refmap: dict[Any, Any] = attrs.field(default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.refmap is None:
+            by: dict[Any, list[int]] = {}
+            for pos, b in self.refs:
+                by.setdefault(b, []).append(pos)
+            # a single position as an int: numpy sets one item far faster than a fancy index
+            refmap = {b: p[0] if len(p) == 1 else np.array(p, dtype=np.intp) for b, p in by.items()}
+            object.__setattr__(self, "refmap", refmap)
+
+    def with_table(self, table: Any) -> RunC:
+        """The same run over another argument table (of the same layout). Built field by
+        field: a replay makes one of these per rebinding or per new value, and attrs'
+        ``__init__`` costs several microseconds more."""
+        new = object.__new__(RunC)
+        setattr_ = object.__setattr__
+        setattr_(new, "entry", self.entry)
+        setattr_(new, "fns", self.fns)
+        setattr_(new, "table", table)
+        setattr_(new, "names", self.names)
+        setattr_(new, "syms", self.syms)
+        setattr_(new, "refs", self.refs)
+        setattr_(new, "refmap", self.refmap)
+        return new
 
     def __call__(self) -> None:
-        self.entry(self.fns, self.args)
+        self.entry(self.fns, self.table.__array_interface__["data"][0])
 
 
-def build_runner(calls: Sequence[tuple[CKernel, Sequence[int]]], names: Sequence[str]) -> RunC:
-    """One RunC for ``calls``: (kernel, its packed arguments: buffer addresses, then vals)."""
+Entry = tuple[Any, int, int, str]  # (int or expression or Buffer, lo, hi, what)
+
+
+def build_runner(calls: Sequence[tuple[CKernel, Sequence[Entry]]], names: Sequence[str]) -> RunC:
+    """One RunC for ``calls``: (kernel, its arguments as table entries: a buffer, an int or
+    an expression, with the range it must fit and what it is, for error messages)."""
+    from hcqa.devices.buffer import Buffer
+
     lines = ["#include <stdint.h>"]
     types: dict[tuple[str, ...], str] = {}
     body: list[str] = []
     table: list[int] = []
-    for i, (kernel, call_args) in enumerate(calls):
+    syms: list[tuple[int, Any, int, int, str]] = []
+    refs: list[tuple[int, Any]] = []
+    for i, (kernel, entries) in enumerate(calls):
         ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
         if ctypes_ not in types:
             types[ctypes_] = f"sig{len(types)}"
             lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
         args = []
-        for t, value in zip(ctypes_, call_args, strict=True):
+        for t, (value, lo, hi, what) in zip(ctypes_, entries, strict=True):
             cast = "(void *)(intptr_t)" if t == "void *" else f"({t})"
             args.append(f"{cast}a[{len(table)}]")
-            table.append(value)
+            if isinstance(value, Buffer):
+                refs.append((len(table), value))
+                table.append(value.va_addr)
+            elif isinstance(value, int):
+                table.append(wrap64(value))
+            else:
+                syms.append((len(table), value, lo, hi, what))
+                table.append(0)
         body.append(f"    (({types[ctypes_]})fn[{i}])({', '.join(args)});")
     lines.append("void hcqa_run(void **fn, const int64_t *a) {")
     lines.extend(body)
     lines.append("}")
     kernel = compile_c("\n".join(lines) + "\n", "hcqa_run")
     fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _ in calls])
-    packed = (ctypes.c_int64 * max(1, len(table)))(*[ctypes.c_int64(v).value for v in table])
+    packed = np.array(table or [0], dtype=np.int64)
     entry = kernel.fn
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    return RunC(entry=entry, fns=fns, args=packed, names=tuple(names))
+    return RunC(
+        entry=entry, fns=fns, table=packed, names=tuple(names), syms=tuple(syms), refs=tuple(refs)
+    )
 
 
-def fuse_static_runs(
+def _entries(e: Any) -> list[Entry] | None:
+    """A C Exec's arguments as table entries, or None when it can't be fused (a symbolic
+    size for a kernel that does not receive its geometry: that is checked per replay)."""
+    prog = e.program
+    name = prog.name
+    out: list[Entry] = [(b, 0, 0, name) for b in e.buffers]
+    assert prog.val_ranges is not None
+    for v, (pname, lo, hi) in zip(e.vals, prog.val_ranges, strict=True):
+        out.append((v, lo, hi, f"{name!r} val {pname!r}"))
+    sizes = (*e.global_size, *e.local_size)
+    if prog.geometry:
+        for v, (pname, lo, hi) in zip(sizes, prog._geometry_ranges, strict=True):
+            out.append((v, max(lo, 1), hi, f"{name!r} geometry parameter {pname!r}"))
+    elif not all(isinstance(v, int) for v in sizes):
+        return None
+    return out
+
+
+def fusable(e: Any) -> bool:
+    """Whether an Exec may join a native run: a C kernel on a device that allows it, and,
+    if it has variables, only where the table can carry them."""
+    prog = e.program
+    if prog.kernel is None or not getattr(prog.device, "native_runner", False):
+        return False
+    return e.args is not None or _entries(e) is not None
+
+
+def fuse_runs(
     template: list[Any], patches: list[tuple[int, str, Any]]
 ) -> tuple[list[Any], list[tuple[int, str, Any]], int]:
-    """Replace runs of >= 2 C Execs with fixed arguments on a device that allows it
-    (``native_runner``) by one :class:`RunC`; the new template, the patch slots moved to
-    their new positions, and how many runners were made."""
+    """Replace runs of >= 2 fusable C Execs (see :func:`fusable`; the template holds them,
+    symbolic or not) by one :class:`RunC`; the new template, the patch slots moved to their
+    new positions, and how many runners were made. A runner with symbolic entries leaves a
+    ``"run"`` patch slot; a symbolic Exec left alone becomes a ``"command"`` slot."""
     from hcqa import commands as cmd
 
     patched = {i for i, _, _ in patches}
     out: list[Any] = []
+    extra: list[tuple[int, str, Any]] = []
     remap: dict[int, int] = {}
     run: list[Any] = []
     made = 0
 
     def flush() -> None:
         nonlocal made
-        if len(run) >= 2 and getattr(run[0].program.device, "native_runner", False):
-            calls = [(e.program.kernel, e.args) for e in run]
-            out.append(build_runner(calls, [e.program.name for e in run]))
+        if len(run) >= 2:
+            calls = [(e.program.kernel, _entries(e)) for e in run]
+            runner = build_runner(calls, [e.program.name for e in run])  # type: ignore[arg-type]
+            if runner.syms:
+                extra.append((len(out), "run", runner))
+                out.append(None)
+            else:
+                out.append(runner)
             made += 1
         else:
-            out.extend(run)
+            for e in run:
+                if e.args is None and not _static(e):
+                    extra.append((len(out), "command", e))
+                    out.append(None)
+                else:
+                    out.append(e)
         run.clear()
 
     for i, c in enumerate(template):
-        # Exec.args is packed at validation exactly when the kernel is C and its vals fixed
-        if i not in patched and isinstance(c, cmd.Exec) and c.args is not None:
-            run.append(c)
-            continue
+        if i not in patched and isinstance(c, cmd.Exec):
+            if fusable(c):
+                run.append(c)
+                continue
+            if not _static(c):
+                flush()
+                extra.append((len(out), "command", c))
+                out.append(None)
+                continue
         flush()
         remap[i] = len(out)
         out.append(c)
     flush()
-    return out, [(remap[i], kind, data) for i, kind, data in patches], made
+    moved = [(remap[i], kind, data) for i, kind, data in patches]
+    return out, sorted(moved + extra, key=lambda p: p[0]), made
+
+
+def _static(e: Any) -> bool:
+    from hcqa.variables import Expr, Variable
+
+    sym = (Variable, Expr)
+    return not any(isinstance(v, sym) for v in (*e.vals, *e.global_size, *e.local_size))

@@ -1,0 +1,232 @@
+"""Per-replay patching of a graph's templates: variables and rebound buffers.
+
+Theory of operation
+-------------------
+A graph's template holds, per queue, the commands every replay sends unchanged, and
+*slots* for what may change: a :class:`CommandSlot` (a command with variables) or a
+:class:`RunSlot` (a fused native run whose argument table has symbolic entries).
+
+A replay first resolves each distinct expression of the graph once (every Variable
+range-checked once), giving ``values``. Each slot then asks only for the values of the
+expressions it mentions: if they are the ones of its last build, the command it built
+then is sent again (commands are immutable and a run's table is never written after it
+is built, so a replay still in flight is unaffected); otherwise it builds anew -- a
+command through the queue's resolver, a run as a copy of its table with one numpy
+assignment per distinct expression. So a value that did not change costs a tuple
+compare, and one that did costs a copy of the table, not a rebuild of every command.
+
+Rebinding (``g(buffers={captured: new})``): :func:`check_rebind` refuses a mapping that
+does not fit before anything is sent; then every template entry that mentions a rebound
+buffer -- a static command, a fused run's address entries, a slot -- is rebuilt for this
+replay only (never cached: the next replay may bind other buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from hcqa import commands as cmd
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.crunner import RunC, wrap64
+from hcqa.errors import InvalidCommand
+from hcqa.variables import Expr, IntLike, Variable, resolve
+
+__all__ = ["CommandSlot", "RunSlot", "buffers_of", "check_rebind", "rebind_command"]
+
+Rebind = Mapping[Buffer, Buffer]
+_SYM = (Variable, Expr)
+
+
+def symbols_of(c: Any) -> tuple[IntLike, ...]:
+    """The distinct symbolic ints a command mentions, in a fixed order."""
+    out: dict[Any, None] = {}
+    for value in attrs.astuple(c, recurse=False):
+        items = value if isinstance(value, tuple) else (value,)
+        for v in items:
+            if isinstance(v, _SYM):
+                out[v] = None
+    return tuple(out)
+
+
+def buffers_of(c: Any) -> tuple[Buffer, ...]:
+    """The buffers a template entry mentions (for rebinding)."""
+    t = type(c)
+    if t is cmd.Exec:
+        return tuple(c.buffers)
+    if t is cmd.Copy:
+        return tuple(b for b in (c.dest, c.src) if isinstance(b, Buffer))
+    if t is cmd.Load:
+        return (c.dest,)
+    if t is RunC:
+        return tuple(b for _, b in c.refs)
+    return ()
+
+
+def rebind_command(c: Any, rebind: Rebind) -> Any:
+    """``c`` with the buffers in ``rebind`` replaced (addresses repacked)."""
+    t = type(c)
+    if t is cmd.Exec:
+        bufs = tuple(rebind.get(b, b) for b in c.buffers)
+        args = c.program.c_args(bufs, c.vals, c.global_size, c.local_size)
+        return attrs.evolve(c, buffers=bufs, args=args)
+    if t is cmd.Copy:
+        dest = rebind.get(c.dest, c.dest) if isinstance(c.dest, Buffer) else c.dest
+        src = rebind.get(c.src, c.src) if isinstance(c.src, Buffer) else c.src
+        return attrs.evolve(c, dest=dest, src=src)
+    if t is cmd.Load:
+        return attrs.evolve(c, dest=rebind.get(c.dest, c.dest))
+    if t is RunC:
+        table = c.table.copy()
+        _fill_refs(table, c, rebind)
+        return c.with_table(table)
+    return c
+
+
+def _fill_refs(table: Any, run: RunC, rebind: Rebind) -> None:
+    refmap = run.refmap
+    for old, new in rebind.items():
+        positions = refmap.get(old)
+        if positions is not None:
+            table[positions] = new.va_addr
+
+
+class CommandSlot:
+    """A command with variables, rebuilt only when the values it uses change."""
+
+    __slots__ = ("command", "key", "last", "symbols")
+
+    def __init__(self, command: Any) -> None:
+        self.command = command
+        self.symbols = symbols_of(command)
+        self.key: tuple[int, ...] | None = None
+        self.last: Any = None
+
+    def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> Any:
+        from hcqa.queue import _resolve_command
+
+        key = tuple([values[s] for s in self.symbols])
+        if rebind is None and key == self.key:
+            return self.last
+        c = self.command if rebind is None else rebind_command(self.command, rebind)
+        out = _resolve_command(c, bound, values)
+        if rebind is None:
+            self.key, self.last = key, out
+        return out
+
+
+class RunSlot:
+    """A fused native run with symbolic entries: a fresh table per new set of values."""
+
+    __slots__ = ("groups", "key", "last", "run", "symbols")
+
+    def __init__(self, run: RunC) -> None:
+        self.run = run
+        by: dict[Any, tuple[list[int], int, int, str]] = {}
+        for pos, expr, lo, hi, what in run.syms:
+            if expr in by:
+                positions, glo, ghi, gwhat = by[expr]
+                positions.append(pos)
+                by[expr] = (positions, max(glo, lo), min(ghi, hi), gwhat)
+            else:
+                by[expr] = ([pos], lo, hi, what)
+        # per distinct expression: (its table positions, the range all of them fit, what)
+        self.groups = [
+            (expr, np.array(p, dtype=np.intp), lo, hi, what)
+            for expr, (p, lo, hi, what) in by.items()
+        ]
+        self.symbols = tuple(by)
+        self.key: tuple[int, ...] | None = None
+        self.last: RunC | None = None
+
+    def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> RunC:
+        key = tuple([values[s] for s in self.symbols])
+        if rebind is None and key == self.key:
+            assert self.last is not None
+            return self.last
+        table = self.run.table.copy()
+        for expr, positions, lo, hi, what in self.groups:
+            v = values[expr]
+            if not lo <= v <= hi:
+                raise InvalidCommand(f"{what} must be in [{lo}, {hi}] (got {v} from {expr})")
+            table[positions] = wrap64(v)
+        if rebind is not None:
+            _fill_refs(table, self.run, rebind)
+        out = self.run.with_table(table)
+        if rebind is None:
+            self.key, self.last = key, out
+        return out
+
+
+def resolve_all(symbols: tuple[IntLike, ...], bound: Any) -> dict[Any, int]:
+    """Each distinct expression's value (each Variable bound and range-checked)."""
+    return {s: resolve(s, bound) for s in symbols}
+
+
+def _refuse_mismatch(old: Buffer, new: Buffer) -> None:
+    for what, want, got in (
+        ("device", old.device.name, new.device.name),
+        ("nbytes", old.nbytes, new.nbytes),
+        ("dtype", old.dtype, new.dtype),
+        ("shape", old.shape, new.shape),
+    ):
+        if want != got:
+            raise InvalidCommand(
+                f"the buffer bound in place of {old!r} must have {what} {want} (got {got})"
+            )
+    raise InvalidCommand(  # two devices of one name: not possible while both are open
+        f"the buffer bound in place of {old!r} must be on that very device (got {new!r})"
+    )
+
+
+def check_rebind(
+    rebind: object,
+    captured: Mapping[Buffer, int],
+    shared: set[Buffer],
+    allocations: set[int] | frozenset[int],
+) -> dict[Buffer, Buffer]:
+    """Refuse a ``buffers=`` mapping that does not fit, before anything is sent.
+
+    ``captured``: every buffer the graph uses -> its allocation id; ``shared``: those whose
+    allocation the graph also uses through another buffer (a view); ``allocations``: the
+    allocation ids of all of them."""
+    if type(rebind) is not dict and not isinstance(rebind, Mapping):
+        raise TypeError(f"'buffers' must be a dict {{captured: new}} (got {type(rebind).__name__})")
+    out: dict[Buffer, Buffer] = {}
+    for old, new in rebind.items():
+        for what, b in (("key", old), ("value", new)):
+            if not isinstance(b, Buffer):
+                raise TypeError(f"'buffers' {what}s must be hcqa.Buffers (got {type(b).__name__})")
+        if old not in captured:
+            raise InvalidCommand(f"'buffers' key {old!r} must be a buffer this graph captured")
+        if new is old:
+            continue
+        if old in shared:
+            raise InvalidCommand(
+                f"{old!r} can't be rebound: the graph also uses its memory through another "
+                "buffer (a view or its base); capture with one buffer per allocation"
+            )
+        if not (
+            new.device is old.device
+            and new.nbytes == old.nbytes
+            and new.dtype == old.dtype
+            and new.shape == old.shape
+        ):
+            _refuse_mismatch(old, new)
+        new._check()
+        out[old] = new
+    if out:
+        gone = {captured[old] for old in out}
+        seen: set[int] = set()
+        for old, new in out.items():
+            a = id(new._hazards)
+            if a in seen or (a in allocations and a not in gone):
+                raise InvalidCommand(
+                    f"the buffer bound in place of {old!r} must not share memory with another "
+                    f"buffer of this replay (got {new!r})"
+                )
+            seen.add(a)
+    return out
