@@ -268,10 +268,10 @@ async def run_threads(
 async def run_processes(
     spec: MlpSpec, path: str, layout: Layout, depth: int, xs: Sequence[F32], bar: Bar, warm: int
 ) -> Timed:
-    """The same two stages, each in its own worker process (``hcqa.workers``), against every
+    """The same two stages, each in its own worker process (``hcqa.processes``), against every
     layer on one device (cpu:0) of this process -- run on its engine thread, so the baseline
     never blocks the event loop, and it shows in the trace."""
-    from hcqa.workers import ProcessStage, open_process_pipeline
+    from hcqa.processes import ProcessStage, open_process_pipeline
 
     half = spec.layers // 2
     b, h = spec.batch_size, spec.hidden

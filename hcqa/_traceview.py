@@ -329,7 +329,7 @@ def plot(
     events = check(doc)
     t0 = min((e["ts"] for e in v.ranges), default=0.0)
     span_us = max((e["ts"] + e["dur"] for e in v.ranges), default=t0) - t0
-    unit, scale = ("s", 1e6) if span_us >= 2e6 else ("ms", 1e3)
+    unit, scale = ("s", 1e6) if span_us >= 1e6 else ("ms", 1e3)
     tracks: dict[Track, list[Event]] = {}
     for e in v.ranges:
         tracks.setdefault((e["pid"], e["tid"]), []).append(e)
@@ -389,7 +389,9 @@ def plot(
         flow_note = f"{len(chosen)} of {len(pairs)} cross-queue waits drawn, evenly sampled"
 
     ax.set_yticks(range(len(keys)), labels, fontsize=8)
-    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_ylim(max(len(keys), 1) - 0.5, -0.5)
+    if not keys:
+        ax.text(0.5, 0.5, "no ranges in this trace", transform=ax.transAxes, ha="center")
     ax.set_xlim(0, max(span_us / scale, 1e-9) * 1.01)
     ax.set_xlabel(f"time since the trace's first range ({unit})")
     ax.grid(axis="x", color="0.9", zorder=0)
@@ -398,7 +400,7 @@ def plot(
     task_note = f"; {hidden} quieter trio tasks not shown" if hidden > 0 else ""
     title = (
         f"hcqa trace: {len(dev_keys)} device queues, {len(task_keys)} trio tasks, "
-        f"{len(v.ranges)} ranges over {span_us / scale:.3g} {unit}\n{flow_note}{task_note}"
+        f"{len(v.ranges)} ranges over {span_us / scale:.4g} {unit}\n{flow_note}{task_note}"
     )
     ax.set_title(title, fontsize=10)
     top = [name for name, _ in by_program.most_common(10)]

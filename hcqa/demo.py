@@ -26,7 +26,7 @@ shared machines vary a lot -- hits both alike. :func:`verdict` turns the two tim
 line: too short to judge (under half a second a side), a win, or the likeliest reason for a
 loss (one core, BLAS not limited, a busy host, hand-offs costing more than the overlap).
 
-``--processes`` runs the two stages in worker processes (``hcqa.workers``); its baseline is the
+``--processes`` runs the two stages in worker processes (``hcqa.processes``); its baseline is the
 same one-stage pipeline on a ``cpu:0`` device of this process, so it runs on an engine thread
 (never on the event loop) and shows in the trace, while the workers' own runs do not (the
 tracer sees this process only, and the output says so).

@@ -506,3 +506,14 @@ def test_plot_of_the_real_workload(
     assert {"cpu:0 compute", "cpu:0 copy", "cpu:1 compute", "cpu:1 copy"} <= queues
     assert {"add1", "double", "transfer"} <= set(info.legend)
     assert info.flows_total == sum(e["ph"] == "f" for e in doc["traceEvents"]) > 0
+
+
+def test_plot_of_an_empty_trace_says_so(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        info = hcqa.trace.plot({"traceEvents": []}, tmp_path / "e.png")
+    assert info.rows == () and "0 ranges" in info.title and "no cross-queue waits" in info.title
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
