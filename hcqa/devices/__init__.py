@@ -5,6 +5,7 @@ from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu import CpuDevice
 from hcqa.devices.opening import open_device, open_devices, transfer
 from hcqa.devices.program import Program
+from hcqa.devices.timing import TimedSpan
 
 __all__ = [
     "Buffer",
@@ -12,6 +13,7 @@ __all__ = [
     "Device",
     "DeviceStatistics",
     "Program",
+    "TimedSpan",
     "open_device",
     "open_devices",
     "transfer",

@@ -39,6 +39,7 @@ from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, type
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
+from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
     DeviceClosed,
     DeviceFault,
@@ -202,6 +203,19 @@ class Device:
         from hcqa.queue import Queue
 
         return Queue(self, "copy")
+
+    def timed(self, *, queue: str = "compute") -> TimedSpan:
+        """``async with d.timed() as span: ...``: the device time (``span.seconds``, from
+        device timestamps) of the work the block queued on this device; see
+        ``hcqa/devices/timing.py``. ``queue`` takes the start timestamp."""
+        return TimedSpan(self, queue)
+
+    def clock_offset_ns(self) -> int:
+        """Nanoseconds to add to this device's timestamps to get the host clock
+        (``time.monotonic_ns``, the clock of ``Signal.timestamp``). A device with a clock
+        of its own overrides this (the model's ``_at_profile_finalize``); the engines of a
+        host device stamp with the host clock, so the base answer is exactly 0."""
+        return 0
 
     async def synchronize(self) -> None:
         """Wait until everything enqueued so far is done; raise the device's error if any."""
