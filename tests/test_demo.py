@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ V = {"cores": 2, "load": 0.5, "blas_limited": True}
         ({"t_pipe": 2.0, "t_seq": 2.0}, "verdict: the pipeline did 1.00x"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "cores": 1}, "lost (0.90x): only 1 core is available"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "blas_limited": False}, "BLAS threads are not limited"),
-        ({"t_pipe": 2.0, "t_seq": 1.8, "load": 3.6}, "the host is busy (1-minute load average 3.6"),
+        ({"t_pipe": 2.0, "t_seq": 1.8, "load": 3.6}, "busy (1-minute load average 3.6 on 2"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "load": None}, "handing each microbatch between devices"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "processes": True}, "between worker processes"),
     ],
@@ -102,3 +103,27 @@ def test_processes_mode_is_honest(tmp_path: Path, capsys: pytest.CaptureFixture[
     # ... on the device's compute engine (a thread), not in a trio task step on the event loop
     assert {names[e["pid"], e["tid"]] for e in baseline} == {"cpu:0 compute"}
     assert {e["cat"] for e in baseline} == {"device"}
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_display_draws_only_on_a_terminal() -> None:
+    from hcqa._console import progress
+
+    pipe = io.StringIO()
+    with progress("warming up", 4, stream=pipe) as bar:
+        bar.advance()
+        bar.describe("pipeline 1-2")
+    assert pipe.getvalue() == ""
+    tty = _Tty()
+    with progress("warming up", 4, stream=tty) as bar:
+        bar.advance(2)
+        bar.describe("pipeline 1-2")
+    drawn = tty.getvalue()
+    assert "pipeline 1-2" in drawn and "2/4" in drawn
+    with progress("off", 4, stream=tty, enabled=False):
+        pass
+    assert tty.getvalue() == drawn  # disabled: nothing more written
