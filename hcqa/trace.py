@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import json
 import os
+import tempfile
 import threading
 import time
 import warnings
@@ -49,6 +50,7 @@ import trio
 
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
+from hcqa.errors import InvalidCommand
 
 __all__ = [
     "PlotInfo",
@@ -109,7 +111,10 @@ class Tracer(trio.abc.Instrument):
     """Records trio task steps and device ranges; writes Chrome Trace Event JSON to ``path``."""
 
     def __init__(self, path: str | os.PathLike[str], *, max_events: int = 500_000) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidCommand(f"'path' must be a str or os.PathLike (got {type(path).__name__})")
         self.path = os.fspath(path)
+        _check_writable(self.path)  # now, not when the run ends and the trace is lost
         self.max_events = max_events
         self.dropped = 0
         self._origin = _now()
@@ -159,7 +164,11 @@ class Tracer(trio.abc.Instrument):
         self.start()
 
     def after_run(self) -> None:
-        self.save()
+        try:
+            self.save()
+        except OSError as exc:  # trio would only log it: say it where the user looks
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+            raise
 
     def task_spawned(self, task: trio.lowlevel.Task) -> None:
         self._instant(task, "spawned")
@@ -305,11 +314,50 @@ class Tracer(trio.abc.Instrument):
         other = {"clock": "CLOCK_MONOTONIC", "origin_ns": origin, "dropped_events": self.dropped}
         doc = {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
         target = os.fspath(path) if path is not None else self.path
-        tmp = f"{target}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        _write_atomically(target, doc)
+        return target
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a trace path that can't be written: its directory is missing or not
+    writable, or the path is a directory. (A temp file is made and removed, the way
+    :func:`_write_atomically` will write it.)"""
+    if os.path.isdir(path):
+        raise InvalidCommand(f"Tracer: the trace path must be a file (got a directory: {path!r})")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
+    except OSError as exc:
+        raise InvalidCommand(
+            f"Tracer: can't write the trace to {path!r}: its folder {folder!r} must exist "
+            f"and be writable (got {exc.strerror})"
+        ) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _write_atomically(target: str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` as JSON to a fresh temp file (``mkstemp``: unpredictable name,
+    ``O_EXCL``, mode 0600) beside ``target``, then ``os.replace`` it: a planted symlink
+    at ``target`` is replaced, never followed, and readers never see half a file. The
+    trace keeps mode 0600 (only its owner reads it)."""
+    folder = os.path.dirname(os.path.abspath(target))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}") from exc
+    try:
+        with os.fdopen(fd, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         os.replace(tmp, target)
-        return target
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OSError(
+                exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}"
+            ) from exc
+        raise
 
 
 def _task_label(task: trio.lowlevel.Task) -> str:

@@ -13,6 +13,11 @@ compiler's path and ``--version`` line, every flag and the source. A hit touches
 file in the cache directory and ``os.replace``-s it into place, so concurrent threads and
 processes that race on one key each publish a complete library and never see a partial one.
 
+The cache holds code this process will run, so it must be private: the directory is
+made 0700 and refused unless this user owns it (one of ours left open to others is
+tightened to 0700); a cached library is loaded only if it is a regular file of this user
+that nobody else can write -- anything else is compiled again over it.
+
 A library is loaded once per process (``ctypes.CDLL``, kept by path); each ``CKernel`` gets its
 own function pointer. ``CDLL`` calls release the GIL: a worker thread's kernel won't block trio.
 """
@@ -26,6 +31,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -231,8 +237,49 @@ def _compiler_id(cmd: tuple[str, ...]) -> str:
     return version
 
 
+def _private_dir(root: Path) -> Path:
+    """The cache directory, made (0700) if missing; refused unless it is a directory owned
+    by this user that nobody else can write (a library another user could plant there
+    would run inside this process). One we own but left open to others is tightened to
+    0700 first."""
+    uid = os.getuid()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = root.stat()
+    except OSError as exc:
+        raise InvalidCommand(
+            f"C kernel cache {str(root)!r} can't be used: {exc.strerror}"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidCommand(f"C kernel cache {str(root)!r} must be a directory (got a file)")
+    if st.st_uid != uid:
+        raise InvalidCommand(
+            f"C kernel cache {str(root)!r} must be owned by you (uid {uid}), since its "
+            f"libraries run in this process (got a directory of uid {st.st_uid}); set "
+            "HCQA_CACHE_DIR to a private directory"
+        )
+    if st.st_mode & 0o077:
+        try:
+            os.chmod(root, 0o700)
+        except OSError as exc:
+            raise InvalidCommand(
+                f"C kernel cache {str(root)!r} must be private (mode 0700; got "
+                f"{stat.S_IMODE(st.st_mode):04o}, and chmod failed: {exc.strerror})"
+            ) from None
+    return root
+
+
+def _trusted(so: Path) -> bool:
+    """True when the cached library ``so`` is a regular file (not a symlink) of this user
+    that nobody else can write: only then may it be loaded."""
+    try:
+        st = os.lstat(so)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(cmd: tuple[str, ...], flags: Sequence[str], source: str, entry: str, so: Path) -> None:
-    so.parent.mkdir(parents=True, exist_ok=True)
     fd, src = tempfile.mkstemp(dir=so.parent, prefix=f".{so.stem}-", suffix=".c")
     out = src[:-2] + ".so.tmp"
     try:
@@ -250,6 +297,7 @@ def _build(cmd: tuple[str, ...], flags: Sequence[str], source: str, entry: str, 
             if len(msg) > _STDERR_LIMIT:
                 msg = msg[:_STDERR_LIMIT] + f"\n... ({len(msg) - _STDERR_LIMIT} more characters)"
             raise InvalidCommand(f"C compile of {entry!r} failed:\n{msg}")
+        os.chmod(out, 0o700)  # whatever the umask: nobody else may rewrite it
         os.replace(out, so)
     finally:
         for leftover in (src, out):
@@ -281,8 +329,8 @@ def compile_c(
     key_text = json.dumps([list(cmd), _compiler_id(cmd), list(all_flags), source])
     key = hashlib.sha256(key_text.encode()).hexdigest()
     root = cache_dir or os.environ.get("HCQA_CACHE_DIR") or "~/.cache/hcqa/kernels"
-    so = Path(root).expanduser() / f"{key}.so"
-    if not so.exists():
+    so = _private_dir(Path(root).expanduser()) / f"{key}.so"
+    if not _trusted(so):  # missing, or not provably ours: build (replacing it)
         _build(cmd, all_flags, source, entry, so)
     try:
         lib = _load(str(so))
