@@ -38,7 +38,7 @@ import trio
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.actors.engine import Engine
-from hcqa.errors import HcqaError
+from hcqa.errors import DeviceClosed, HcqaError
 from hcqa.signals import Signal
 
 if TYPE_CHECKING:
@@ -122,11 +122,21 @@ class QueueActor:
         self.sent += 1
 
     async def wait_for_space(self) -> None:
-        await self._space.park()
+        """Park until the channel may have room (a batch was received). Raises
+        :class:`DeviceClosed` once the queue's input is closed -- the device block was
+        left, normally or by an exception -- so no task waits for room that never comes."""
+        if not self._closed:
+            await self._space.park()
+        else:
+            await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise DeviceClosed(f"{self.device.name} was closed while waiting for queue room")
 
     async def close_input(self) -> None:
-        """No more batches: the actor drains what it has and ends."""
+        """No more batches: the actor drains what it has and ends. Tasks waiting for
+        room are woken (with DeviceClosed)."""
         self._closed = True
+        self._space.unpark_all()
         await self._send.aclose()
 
     # -- the actor -------------------------------------------------------------------------
