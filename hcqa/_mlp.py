@@ -298,5 +298,3 @@ async def run_processes(
         seq_label="sequential, 1 device (cpu:0)",
         pipe_desc=f"2 worker processes (pids {pids})",
     )
-
-

@@ -368,17 +368,22 @@ def plot(
         ax.axhline(len(dev_keys) - 0.5, color="0.3", lw=0.8, zorder=3)
 
     pairs = _flow_pairs(events, row)
-    chosen = [] if flows == "none" else pairs if flows == "all" else [
-        pairs[i] for i in _pick(len(pairs), max_flows)
-    ]
+    chosen = (
+        []
+        if flows == "none"
+        else pairs
+        if flows == "all"
+        else [pairs[i] for i in _pick(len(pairs), max_flows)]
+    )
     if chosen:
         segs = [
-            [((s["ts"] - t0) / scale, row[s["pid"], s["tid"]]),
-             ((f["ts"] - t0) / scale, row[f["pid"], f["tid"]])]
+            [
+                ((s["ts"] - t0) / scale, row[s["pid"], s["tid"]]),
+                ((f["ts"] - t0) / scale, row[f["pid"], f["tid"]]),
+            ]
             for s, f in chosen
         ]
-        ax.add_collection(LineCollection(segs, colors="0.1", linewidths=0.5, alpha=0.4,
-                                         zorder=1))
+        ax.add_collection(LineCollection(segs, colors="0.1", linewidths=0.5, alpha=0.4, zorder=1))
     if not pairs:
         flow_note = "no cross-queue waits"
     elif len(chosen) == len(pairs):
@@ -410,8 +415,15 @@ def plot(
     if chosen:
         handles.append(Line2D([], [], color="0.1", lw=0.8, alpha=0.6, label="cross-queue wait"))
     if handles:
-        ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1.0),
-                  frameon=False, title="legend", title_fontsize=8)
+        ax.legend(
+            handles=handles,
+            fontsize=8,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            frameon=False,
+            title="legend",
+            title_fontsize=8,
+        )
     fig.tight_layout()
     fig.savefig(os.fspath(out), dpi=110, format="png")
     return PlotInfo(

@@ -360,9 +360,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="hcqa: an asynchronous, actor-based scheduler for accelerator command queues.",
     )
-    parser.add_argument(
-        "-V", "--version", action="version", version=f"%(prog)s {_version('hcqa')}"
-    )
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {_version('hcqa')}")
     parser.add_argument("--traceback", action="store_true", help=_TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in COMMANDS.items():

@@ -1,7 +1,8 @@
 """The errors hcqa raises.
 
-Every error is an :class:`HcqaError`. Messages say what was expected and what was
-seen, in the form ``'value' must be >= 5 (got 3)``.
+Every error is an :class:`HcqaError`; bad arguments of any kind are
+:class:`InvalidCommand` (also a ``ValueError`` and a ``TypeError``). Messages say
+what was expected and what was seen, in the form ``'value' must be >= 5 (got 3)``.
 
 ``DeviceFault`` carries one extra piece of state: whether it has been *observed*,
 that is raised to some caller. A fault that nobody saw is raised when its device
@@ -69,8 +70,15 @@ class DeviceFault(HcqaError):
         self.queue = queue
 
 
-class InvalidCommand(HcqaError, ValueError):
-    """Bad arguments, raised at enqueue before anything was queued."""
+class InvalidCommand(HcqaError, ValueError, TypeError):
+    """Bad arguments, raised at enqueue before anything was queued.
+
+    Every argument hcqa refuses -- a wrong value *or* a wrong type (a str where an int
+    belongs, a misspelled dtype) -- raises this one class. It is also a ``ValueError``
+    and a ``TypeError``, so ``except ValueError`` and ``except TypeError`` catch it too.
+    The only ``TypeError`` s that are not hcqa's are Python's own: a call with a wrong
+    number of positional arguments or an unknown keyword, an operator between a
+    Variable and a float."""
 
 
 class OutOfMemory(HcqaError, MemoryError):

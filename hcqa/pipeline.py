@@ -46,7 +46,7 @@ import trio
 
 from hcqa import aio
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int
+from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype
 from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -110,7 +110,7 @@ class Pipeline:
             raise InvalidCommand("a Pipeline needs at least one stage (got none)")
         self.stages = tuple(_stage(s, i) for i, s in enumerate(stages))
         self.in_shape = tuple(in_shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = _dtype(dtype)
         self.depth = depth
         self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
         self._slots = [self._build_slot() for _ in range(depth)]
@@ -134,7 +134,7 @@ class Pipeline:
                 )
             return stage.program
         if not callable(stage.program):
-            raise TypeError(
+            raise InvalidCommand(
                 f"stage {index}: program must be a hcqa.Program or a callable "
                 f"(got {type(stage.program).__name__})"
             )
@@ -291,15 +291,26 @@ def check_input(x: npt.ArrayLike, shape: tuple[int, ...], dtype: np.dtype[Any]) 
     return arr
 
 
+def _dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise InvalidCommand(f"'dtype' must be a numpy dtype (got {dtype!r})") from exc
+    check_plain_dtype("'dtype'", dt)
+    return dt
+
+
 def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
     if isinstance(s, Stage):
         stage = s
     elif isinstance(s, tuple) and len(s) == 2:
         stage = Stage(device=s[0], program=s[1])
     else:
-        raise TypeError(f"stage {index} must be a Stage or a (device, program) pair (got {s!r})")
+        raise InvalidCommand(
+            f"stage {index} must be a Stage or a (device, program) pair (got {s!r})"
+        )
     if not isinstance(stage.device, Device):
-        raise TypeError(
+        raise InvalidCommand(
             f"stage {index}: device must be a hcqa Device (got {type(stage.device).__name__})"
         )
     return stage

@@ -54,7 +54,7 @@ def _intlike(name: str, value: object) -> IntLike:
     if isinstance(value, _SYMBOLIC):
         return value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name!r} must be an int or a Variable (got {type(value).__name__})")
+        raise InvalidCommand(f"{name!r} must be an int or a Variable (got {type(value).__name__})")
     return value
 
 
@@ -72,6 +72,7 @@ class Queue:
         self._symbolic_at: list[int] = []  # positions of commands with variables
         self._slots: list[CommandSlot] = []  # one per such position: rebuilt on change only
         self._symbols: dict[Any, None] = {}  # the distinct expressions they mention
+        self._signals: dict[Signal, None] = {}  # signals the commands use, checked at submit
         self._waits = False
 
     # -- verbs ---------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Queue:
 
     def wait(self, signal: Signal, value: IntLike) -> Self:
         """Hold the queue until ``signal.value >= value``."""
-        _signal_arg(signal)
+        self._signal_arg(signal, "wait")
         value = _intlike("value", value)
         if isinstance(value, int):
             _check_target(value)
@@ -97,7 +98,7 @@ class Queue:
 
     def signal(self, signal: Signal, value: IntLike) -> Self:
         """Set ``signal`` to ``value`` when everything before is done."""
-        _signal_arg(signal)
+        self._signal_arg(signal, "signal")
         value = _intlike("value", value)
         if isinstance(value, int):
             _check_target(value)
@@ -105,7 +106,7 @@ class Queue:
 
     def timestamp(self, signal: Signal) -> Self:
         """Write the time into ``signal``'s timestamp slot when everything before is done."""
-        _signal_arg(signal)
+        self._signal_arg(signal, "timestamp")
         return self._add(cmd.Timestamp(signal=signal))
 
     def memory_barrier(self) -> Self:
@@ -126,14 +127,16 @@ class Queue:
         if self.kind != "compute":
             raise InvalidCommand(f"exec() needs a compute queue (got a {self.kind} queue)")
         if not isinstance(prog, Program):
-            raise TypeError(f"exec() needs a hcqa Program (got {type(prog).__name__})")
+            raise InvalidCommand(f"exec() needs a hcqa Program (got {type(prog).__name__})")
         if prog.device is not self.device:
             raise InvalidCommand(
                 f"exec(): program {prog.name!r} must be on {self.device.name} "
                 f"(got one on {prog.device.name})"
             )
         if not isinstance(bufs, (tuple, list)):
-            raise TypeError(f"exec() 'bufs' must be a tuple of buffers (got {type(bufs).__name__})")
+            raise InvalidCommand(
+                f"exec() 'bufs' must be a tuple of buffers (got {type(bufs).__name__})"
+            )
         exec_ = prog.validate(bufs, vals, global_size, local_size)
         writes, reads = prog.access(len(exec_.buffers))
         for i in writes:
@@ -150,7 +153,9 @@ class Queue:
             raise InvalidCommand(f"copy() needs a copy queue (got a {self.kind} queue)")
         for name, b in (("dest", dest), ("src", src)):
             if not isinstance(b, Buffer):
-                raise TypeError(f"copy() {name!r} must be a hcqa.Buffer (got {type(b).__name__})")
+                raise InvalidCommand(
+                    f"copy() {name!r} must be a hcqa.Buffer (got {type(b).__name__})"
+                )
             if b.device is not self.device:
                 raise InvalidCommand(
                     f"copy() {name!r} must be on {self.device.name} (got a buffer on "
@@ -164,6 +169,12 @@ class Queue:
         self._touch(self._reads, src)
         command = cmd.Copy(dest=dest, src=src, nbytes=nbytes)
         return self._add(command, isinstance(nbytes, _SYMBOLIC))
+
+    def _signal_arg(self, signal: object, verb: str) -> None:
+        if not isinstance(signal, Signal):
+            raise InvalidCommand(f"'signal' must be a hcqa.Signal (got {type(signal).__name__})")
+        signal._check_queueable(verb)
+        self._signals[signal] = None
 
     @staticmethod
     def _touch(seen: dict[int, Buffer], b: Buffer) -> None:
@@ -186,7 +197,11 @@ class Queue:
         return out
 
     def _check_buffers(self) -> None:
-        """A built queue may outlive its buffers: refuse freed (or closed) ones."""
+        """A built queue may outlive its buffers and signals: refuse freed (or closed)
+        buffers and closed signals."""
+        for s in self._signals:
+            if s._closed:
+                s._check_queueable("submit")
         for b in self._writes.values():
             b._check()
         for b in self._reads.values():
@@ -237,11 +252,6 @@ class Queue:
 
     def __repr__(self) -> str:
         return f"<Queue {self.device.name} {self.kind}: {len(self._commands)} commands>"
-
-
-def _signal_arg(signal: object) -> None:
-    if not isinstance(signal, Signal):
-        raise TypeError(f"'signal' must be a hcqa.Signal (got {type(signal).__name__})")
 
 
 def _check_copy_size(nbytes: int, dest: Buffer, src: Buffer) -> None:

@@ -65,6 +65,7 @@ from hcqa.fence import Fence
 __all__ = ["Fence", "Signal", "SignalStatistics"]
 
 _MAX = 2**64 - 1
+_LOCK_MAX = threading.TIMEOUT_MAX  # a longer wait sleeps in several turns of the loop
 
 
 _counter = iter(range(1, 2**62))
@@ -107,7 +108,7 @@ class SignalStatistics:
 
 def _check_target(value: object, what: str = "value") -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what!r} must be an int (got {type(value).__name__})")
+        raise InvalidCommand(f"{what!r} must be an int (got {type(value).__name__})")
     if not 0 <= value <= _MAX:
         raise InvalidCommand(f"{what!r} must be in [0, 2**64 - 1] (got {value})")
     return value
@@ -134,7 +135,7 @@ class Signal:
     def __init__(self, value: int = 0, *, name: str | None = None) -> None:
         value = _check_target(value)
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"'name' must be a str (got {type(name).__name__})")
+            raise InvalidCommand(f"'name' must be a str (got {type(name).__name__})")
         page, index = pool.take()
         self._setup(page, index, name, owned=True)
         self._value.value = value
@@ -189,14 +190,17 @@ class Signal:
     def _set_from_engine(self, value: int) -> None:
         """Write the value, then wake: this process's waiters (through the eventfd, if
         any may be parked) and every peer process. The engines' fast path: no argument
-        checks; a closed signal is left alone (its slot may belong to another signal)."""
-        if self._closed:
-            return
-        self._value.value = value
-        if self._waiters or _forked or self._alone:
-            os.eventfd_write(self._fd, 1)
-        for peer in self._peers:
-            os.eventfd_write(peer, 1)
+        checks; a closed signal is left alone. The check and the writes hold the lock
+        that :meth:`close` takes to mark the signal closed, so a write queued before a
+        close can never land in the slot (or the fds) after they were recycled."""
+        with self._lock:
+            if self._closed:
+                return
+            self._value.value = value
+            if self._waiters or _forked or self._alone:
+                os.eventfd_write(self._fd, 1)
+            for peer in self._peers:
+                os.eventfd_write(peer, 1)
 
     # -- sharing with other processes ------------------------------------------------------
 
@@ -209,8 +213,24 @@ class Signal:
     def add_peer(self, eventfd: int) -> None:
         """Also wake ``eventfd`` (another process's waiters) on every value written here.
 
-        Takes ownership of the fd."""
-        self._peers.append(eventfd)
+        ``eventfd`` must be an open eventfd (checked here, so a bad one can't fault the
+        device that writes this signal later). Takes ownership of the fd."""
+        if isinstance(eventfd, bool) or not isinstance(eventfd, int):
+            raise InvalidCommand(f"'eventfd' must be an int fd (got {type(eventfd).__name__})")
+        if eventfd < 0:
+            raise InvalidCommand(f"'eventfd' must be an open fd >= 0 (got {eventfd})")
+        try:
+            kind = os.readlink(f"/proc/self/fd/{eventfd}")
+        except OSError:
+            raise InvalidCommand(
+                f"'eventfd' must be an open fd (got {eventfd}, not open)"
+            ) from None
+        if kind != "anon_inode:[eventfd]":
+            raise InvalidCommand(f"'eventfd' must be an eventfd (got fd {eventfd}: {kind})")
+        with self._lock:
+            if self._closed:
+                raise DeviceClosed(f"signal {self.name!r} is closed")
+            self._peers.append(eventfd)
 
     @property
     def timestamp(self) -> float:
@@ -219,7 +239,27 @@ class Signal:
 
     def write_timestamp(self, ns: int | None = None) -> None:
         """Store ``ns`` (default: now, from ``time.monotonic_ns``) in the timestamp slot."""
-        self._stamp.value = time.monotonic_ns() if ns is None else ns
+        if ns is not None:
+            ns = _check_target(ns, "ns")
+        if self._closed:
+            raise DeviceClosed(f"signal {self.name!r} is closed")
+        self._stamp_from_engine(time.monotonic_ns() if ns is None else ns)
+
+    def _stamp_from_engine(self, ns: int) -> None:
+        """The engines' timestamp write: dropped once the signal is closed (its slot may
+        be another signal's by then), under the lock :meth:`close` takes."""
+        with self._lock:
+            if not self._closed:
+                self._stamp.value = ns
+
+    def _check_queueable(self, verb: str) -> None:
+        """Refuse, before anything is queued, a command on this signal that could only
+        fail later: any command on a closed signal, or a wait on a signal broken by bad
+        input (the signal of a fence handed out during a capture)."""
+        if self._closed:
+            raise DeviceClosed(f"{verb}: signal {self.name!r} is closed")
+        if verb == "wait" and isinstance(self._broken, InvalidCommand):
+            raise InvalidCommand(f"wait: signal {self.name!r} can't be waited on ({self._broken})")
 
     @property
     def address(self) -> int:
@@ -259,16 +299,16 @@ class Signal:
         with self._lock:
             if self._broken is None:
                 self._broken = exc
-        if not self._closed:
-            os.eventfd_write(self._fd, 1)
+            if not self._closed:
+                os.eventfd_write(self._fd, 1)
 
     def close(self) -> None:
         """Release the slot and the eventfd; unreached waiters raise :class:`DeviceClosed`."""
         if self._closed:
             return
-        self._final = self._value.value
         self._break(DeviceClosed(f"signal {self.name!r} was closed"))
-        with self._lock:
+        with self._lock:  # engines write under this lock: none writes after this
+            self._final = self._value.value
             self._closed = True
             busy = bool(self._waiters) or self._owner is not None
         if not busy:
@@ -451,8 +491,15 @@ class Signal:
         Raises :class:`SignalTimeout` after ``timeout`` seconds (``None``: forever).
         """
         target = _check_target(value)
-        if timeout is not None and not timeout >= 0:
-            raise InvalidCommand(f"'timeout' must be >= 0 or None (got {timeout})")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise InvalidCommand(
+                    f"'timeout' must be a number of seconds or None (got {type(timeout).__name__})"
+                )
+            if not timeout >= 0:
+                raise InvalidCommand(f"'timeout' must be >= 0 or None (got {timeout})")
+            if math.isinf(timeout):
+                timeout = None
         if self.value >= target:
             return
         if self._closed:
@@ -485,7 +532,7 @@ class Signal:
                     self._drain()
                     continue
                 assert waiter.lock is not None
-                waiter.lock.acquire(timeout=-1 if remaining is None else remaining)
+                waiter.lock.acquire(timeout=-1 if remaining is None else min(_LOCK_MAX, remaining))
         finally:
             self._unregister(waiter)
         if self.value < target:

@@ -91,7 +91,7 @@ class EngineKilled(SystemExit):
 
 def _device(device: object) -> Device:
     if not isinstance(device, Device):
-        raise TypeError(f"'device' must be an open hcqa device (got {type(device).__name__})")
+        raise InvalidCommand(f"'device' must be an open hcqa device (got {type(device).__name__})")
     device._check_usable()
     return device
 
@@ -103,7 +103,7 @@ def _exception(exc: ExcSpec, default: str) -> BaseException:
         return exc
     if isinstance(exc, type) and issubclass(exc, BaseException):
         return exc(default)
-    raise TypeError(f"'exc' must be an exception or an exception class (got {exc!r})")
+    raise InvalidCommand(f"'exc' must be an exception or an exception class (got {exc!r})")
 
 
 # -- kernels ----------------------------------------------------------------------------------
@@ -407,6 +407,8 @@ def parked_waiters(*objects: Device | Signal) -> int:
         elif isinstance(obj, Device):
             signals = (*obj._timeline.signals, obj.compute.signal, obj.copy.signal)
         else:
-            raise TypeError(f"parked_waiters needs devices or signals (got {type(obj).__name__})")
+            raise InvalidCommand(
+                f"parked_waiters needs devices or signals (got {type(obj).__name__})"
+            )
         total += sum(s.statistics().waiters for s in signals)
     return total

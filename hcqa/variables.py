@@ -70,19 +70,24 @@ class _Arith:
 class Variable(_Arith):
     """A named integer in ``[lo, hi]``, bound to a value at submit or replay."""
 
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    name: str = attrs.field()
     lo: int = attrs.field()
     hi: int = attrs.field()
+
+    @name.validator
+    def _check_name(self, _: object, name: object) -> None:
+        if not isinstance(name, str) or not name:
+            raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
 
     @lo.validator
     def _check_lo(self, _: object, lo: object) -> None:
         if not isinstance(lo, int) or isinstance(lo, bool):
-            raise TypeError(f"'lo' must be an int (got {type(lo).__name__})")
+            raise InvalidCommand(f"'lo' must be an int (got {type(lo).__name__})")
 
     @hi.validator
     def _check_hi(self, _: object, hi: object) -> None:
         if not isinstance(hi, int) or isinstance(hi, bool):
-            raise TypeError(f"'hi' must be an int (got {type(hi).__name__})")
+            raise InvalidCommand(f"'hi' must be an int (got {type(hi).__name__})")
         if hi < self.lo:
             raise InvalidCommand(f"'hi' must be >= lo = {self.lo} (got {hi})")
 
@@ -129,7 +134,7 @@ def _bind(var: Variable, var_vals: VarVals | None) -> int:
             f"variable {var.name!r} is unbound (var_vals has {sorted(map(str, var_vals))})"
         )
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(
+        raise InvalidCommand(
             f"variable {var.name!r} must be bound to an int (got {type(value).__name__})"
         )
     if not var.lo <= value <= var.hi:

@@ -71,6 +71,7 @@ class Env:
     empty: hcqa.Graph
     s: Signal
     hold: Signal
+    gone: Signal  # closed
     path: Path  # 64 bytes
     ca: hcqa.Buffer  # on the closed device
     cprog: hcqa.Program
@@ -91,7 +92,8 @@ async def environment(tmp_path: Path) -> AsyncIterator[Env]:
     path = tmp_path / "data.bin"
     path.write_bytes(bytes(range(64)))
     n = Variable("n", 1, N)
-    s, hold = Signal(name="s"), Signal(name="hold")
+    s, hold, gone = Signal(name="s"), Signal(name="hold"), Signal(name="gone")
+    gone.close()
     async with hcqa.open_device("cpu:2", hang_limit=SAFE) as dc:
         ca = dc.alloc(shape=(N,), dtype="float32")
         cprog = dc.program("add1", ADD1)
@@ -144,6 +146,7 @@ async def environment(tmp_path: Path) -> AsyncIterator[Env]:
             empty=empty,
             s=s,
             hold=hold,
+            gone=gone,
             path=path,
             ca=ca,
             cprog=cprog,
@@ -193,36 +196,37 @@ class Case:
 
 def _cases() -> list[Any]:
     o, C = hcqa.open_devices, Case
-    ic, te, dc_ = InvalidCommand, TypeError, DeviceClosed
+    # hcqa refuses every bad argument with InvalidCommand; TypeError only from Python itself
+    ic, py_te, dc_ = InvalidCommand, TypeError, DeviceClosed
     f32 = np.float32
     cases = [
         # -- open_device / open_devices --------------------------------------------------
-        C("open-spec-int", lambda e: _enter(o(0)), te, "device spec must be a str"),  # type: ignore[arg-type]
+        C("open-spec-int", lambda e: _enter(o(0)), ic, "device spec must be a str"),  # type: ignore[arg-type]
         C("open-spec-bad", lambda e: _enter(o("gpu:0")), ic, "must look like 'cpu:N'"),
         C("open-spec-index", lambda e: _enter(o("cpu:-1")), ic, "must look like"),
         C("open-device-bad", lambda e: _enter(hcqa.open_device("cpu0")), ic, "must look like"),
         C("open-no-spec", lambda e: _enter(o()), ic, "at least one device spec"),
         C("open-duplicate", lambda e: _enter(o("cpu:5", "cpu:5")), ic, "once per call"),
         C("open-cuda", lambda e: _enter(o("cuda:0")), ic, "no CUDA device yet", False),
-        C("hang-str", lambda e: _enter(o("cpu:5", hang_limit="1")), te, "'hang_limit'"),
-        C("hang-bool", lambda e: _enter(o("cpu:5", hang_limit=True)), te, "'hang_limit'"),
+        C("hang-str", lambda e: _enter(o("cpu:5", hang_limit="1")), ic, "'hang_limit'"),
+        C("hang-bool", lambda e: _enter(o("cpu:5", hang_limit=True)), ic, "'hang_limit'"),
         C("hang-zero", lambda e: _enter(o("cpu:5", hang_limit=0)), ic, r"'hang_limit' must be > 0"),
         C("hang-neg", lambda e: _enter(o("cpu:5", hang_limit=-1.0)), ic, "'hang_limit'"),
         C("hang-nan", lambda e: _enter(o("cpu:5", hang_limit=float("nan"))), ic, "'hang_limit'"),
-        C("host-visible-int", lambda e: _enter(o("cpu:5", host_visible=1)), te, "'host_visible'"),
+        C("host-visible-int", lambda e: _enter(o("cpu:5", host_visible=1)), ic, "'host_visible'"),
         C("depth-zero", lambda e: _enter(o("cpu:5", queue_depth=0)), ic, "'queue_depth'"),
-        C("depth-str", lambda e: _enter(o("cpu:5", queue_depth="8")), te, "'queue_depth'"),
+        C("depth-str", lambda e: _enter(o("cpu:5", queue_depth="8")), ic, "'queue_depth'"),
         C("start-neg", lambda e: _enter(o("cpu:5", timeline_start=-1)), ic, "'timeline_start'"),
-        C("start-float", lambda e: _enter(o("cpu:5", timeline_start=1.5)), te, "'timeline_start'"),
+        C("start-float", lambda e: _enter(o("cpu:5", timeline_start=1.5)), ic, "'timeline_start'"),
         C("memory-zero", lambda e: _enter(o("cpu:5", memory=0)), ic, "'memory'"),
         C("memory-str", lambda e: _enter(o("cpu:5", memory="1G")), ic, "'memory'"),
-        C("open-unknown-option", lambda e: _enter(o("cpu:5", colour=1)), te, "colour", False),
+        C("open-unknown-option", lambda e: _enter(o("cpu:5", colour=1)), ic, "colour", False),
         # -- alloc -------------------------------------------------------------------------
         C("alloc-zero", lambda e: e.d0.alloc(0), ic, r"'nbytes' must be >= 1 \(got 0\)"),
         C("alloc-neg", lambda e: e.d0.alloc(-8), ic, r"'nbytes' must be >= 1"),
-        C("alloc-float", lambda e: e.d0.alloc(8.0), te, r"'nbytes' must be an int"),  # type: ignore[arg-type]
-        C("alloc-bool", lambda e: e.d0.alloc(True), te, r"'nbytes' must be an int"),
-        C("alloc-str", lambda e: e.d0.alloc("8"), te, r"'nbytes' must be an int"),  # type: ignore[arg-type]
+        C("alloc-float", lambda e: e.d0.alloc(8.0), ic, r"'nbytes' must be an int"),  # type: ignore[arg-type]
+        C("alloc-bool", lambda e: e.d0.alloc(True), ic, r"'nbytes' must be an int"),
+        C("alloc-str", lambda e: e.d0.alloc("8"), ic, r"'nbytes' must be an int"),  # type: ignore[arg-type]
         C("alloc-huge", lambda e: e.d0.alloc(1 << 62), OutOfMemory, "out of memory", False),
         C("alloc-nothing", lambda e: e.d0.alloc(), ic, "needs 'nbytes' or 'shape'"),
         C("alloc-shape-no-dtype", lambda e: e.d0.alloc(shape=(4,)), ic, "needs a 'dtype'"),
@@ -230,14 +234,14 @@ def _cases() -> list[Any]:
         C("alloc-shape-neg", lambda e: e.d0.alloc(shape=(2, -1), dtype=f32), ic, "positive"),
         C("alloc-shape-bool", lambda e: e.d0.alloc(shape=True, dtype=f32), ic, "'shape'"),
         C("alloc-shape-float", lambda e: e.d0.alloc(shape=(2.0,), dtype=f32), ic, "'shape'"),  # type: ignore[arg-type]
-        C("alloc-dtype-bad", lambda e: e.d0.alloc(8, dtype="float33"), te, "'dtype'"),
+        C("alloc-dtype-bad", lambda e: e.d0.alloc(8, dtype="float33"), ic, "'dtype'"),
         C("alloc-dtype-object", lambda e: e.d0.alloc(8, dtype=object), ic, "'dtype'"),
         C("alloc-size-mismatch", lambda e: e.d0.alloc(8, shape=(3,), dtype=f32), ic, "'nbytes'"),
         C("alloc-not-multiple", lambda e: e.d0.alloc(6, dtype=f32), ic, "multiple of"),
         # -- program() ---------------------------------------------------------------------
         C("program-name-empty", lambda e: e.d0.program("", _two), ic, "'name'"),
         C("program-name-int", lambda e: e.d0.program(3, _two), ic, "'name'"),  # type: ignore[arg-type]
-        C("program-src-int", lambda e: e.d0.program("p", 42), te, "callable or C source"),
+        C("program-src-int", lambda e: e.d0.program("p", 42), ic, "callable or C source"),
         C("program-entry-py", lambda e: e.d0.program("p", _two, entry="x"), ic, "'entry'"),
         C(
             "program-float-scalar",
@@ -250,15 +254,15 @@ def _cases() -> list[Any]:
         C("program-writes-str", lambda e: e.d0.program("p", _two, writes=("a",)), ic, "'writes'"),  # type: ignore[arg-type]
         C("program-writes-c", lambda e: e.d0.program("add1", ADD1, writes=(5,)), ic, "< 2"),
         # -- calling a program ---------------------------------------------------------------
-        C("call-not-buffer", lambda e: e.py(np.zeros(N, f32), e.a), te, "hcqa.Buffer"),  # type: ignore[arg-type]
+        C("call-not-buffer", lambda e: e.py(np.zeros(N, f32), e.a), ic, "hcqa.Buffer"),  # type: ignore[arg-type]
         C("call-other-device", lambda e: e.py(e.b, e.other), ic, "must be on cpu:0"),
         C("call-c-buffers", lambda e: e.c(e.b, vals=(N,)), ic, "takes 2 buffers and 1 vals"),
         C("call-c-vals", lambda e: e.c(e.b, e.a), ic, "takes 2 buffers and 1 vals"),
-        C("call-val-float", lambda e: e.c(e.b, e.a, vals=(1.0,)), te, "val 0 must be an int"),  # type: ignore[arg-type]
-        C("call-val-bool", lambda e: e.c(e.b, e.a, vals=(True,)), te, "val 0 must be an int"),
+        C("call-val-float", lambda e: e.c(e.b, e.a, vals=(1.0,)), ic, "val 0 must be an int"),  # type: ignore[arg-type]
+        C("call-val-bool", lambda e: e.c(e.b, e.a, vals=(True,)), ic, "val 0 must be an int"),
         C("call-val-big", lambda e: e.c(e.b, e.a, vals=(2**31,)), ic, r"must be in \["),
         C("call-val-small", lambda e: e.c(e.b, e.a, vals=(-(2**31) - 1,)), ic, r"must be in \["),
-        C("call-vals-int", lambda e: e.c(e.b, e.a, vals=N), te, "'vals' must be a tuple"),  # type: ignore[arg-type]
+        C("call-vals-int", lambda e: e.c(e.b, e.a, vals=N), ic, "'vals' must be a tuple"),  # type: ignore[arg-type]
         C("call-global-zero", lambda e: e.py(e.b, e.a, global_size=(0, 1, 1)), ic, "global_size"),
         C("call-global-4d", lambda e: e.py(e.b, e.a, global_size=(1, 1, 1, 1)), ic, "global"),
         C("call-global-str", lambda e: e.py(e.b, e.a, global_size="x"), ic, "global_size"),  # type: ignore[arg-type]
@@ -279,9 +283,9 @@ def _cases() -> list[Any]:
         C("view-neg-offset", lambda e: e.raw.view(-1, 8), ic, "'offset' must be >= 0"),
         C("view-zero", lambda e: e.raw.view(0, 0), ic, "'nbytes' must be >= 1"),
         C("view-past-end", lambda e: e.raw.view(60, 8), ic, "must lie within"),
-        C("view-offset-str", lambda e: e.raw.view("1", 8), te, "'offset' must be an int"),  # type: ignore[arg-type]
+        C("view-offset-str", lambda e: e.raw.view("1", 8), ic, "'offset' must be an int"),  # type: ignore[arg-type]
         C("view-shape-mismatch", lambda e: e.raw.view(0, 8, dtype=f32, shape=(3,)), ic, "'nbytes'"),
-        C("copyin-list", lambda e: e.a.copyin([0.0] * N), te, "numpy array"),
+        C("copyin-list", lambda e: e.a.copyin([0.0] * N), ic, "numpy array"),
         C("copyin-dtype", lambda e: e.a.copyin(np.zeros(N, np.float64)), ic, "dtype must be"),
         C("copyin-size", lambda e: e.a.copyin(np.zeros(N + 1, f32)), ic, "must be 64 bytes"),
         C("copyin-bytes-size", lambda e: e.raw.copyin(bytes(63)), ic, "must be 64 bytes"),
@@ -294,38 +298,83 @@ def _cases() -> list[Any]:
         C("load-too-long", lambda e: e.raw.load(e.path, nbytes=65), ic, "'nbytes' must be <="),
         C("load-zero", lambda e: e.raw.load(e.path, nbytes=0), ic, "'nbytes' must be >= 1"),
         C("load-short-file", lambda e: e.raw.load(e.path, offset=8), ic, "must hold"),
-        C("load-path-int", lambda e: e.raw.load(3), te, "PathLike|str", False),  # type: ignore[arg-type]
+        C("load-path-int", lambda e: e.raw.load(3), ic, "'path' must be a str or os.PathLike"),  # type: ignore[arg-type]
         C("free-view", lambda e: e.raw.view(0, 8).free(), ic, "owning buffer", False),
         C("free-busy", lambda e: e.busy.free(), ic, "still used by queued work", False),
         # -- transfer ---------------------------------------------------------------------------
-        C("transfer-dest-array", lambda e: hcqa.transfer(np.zeros(N, f32), e.a), te, "'dest'"),  # type: ignore[arg-type]
-        C("transfer-src-array", lambda e: hcqa.transfer(e.other, b"x" * 64), te, "'src'"),  # type: ignore[arg-type]
+        C("transfer-dest-array", lambda e: hcqa.transfer(np.zeros(N, f32), e.a), ic, "'dest'"),  # type: ignore[arg-type]
+        C("transfer-src-array", lambda e: hcqa.transfer(e.other, b"x" * 64), ic, "'src'"),  # type: ignore[arg-type]
         C("transfer-size", lambda e: hcqa.transfer(e.other, e.big), ic, "equal sizes"),
         C("transfer-freed", lambda e: hcqa.transfer(e.freed, e.raw.view(0, 8)), ic, "freed", False),
+        C("copyin-object", lambda e: e.raw.copyin(np.empty(8, object)), ic, "non-object dtype"),
+        C("copyout-object", lambda e: e.raw.copyout(np.empty(8, object)), ic, "non-object dtype"),
+        C(
+            "copyout-struct-object",
+            lambda e: e.raw.copyout(np.empty(4, [("a", "f8"), ("o", object)])),
+            ic,
+            "non-object dtype",
+        ),
+        C(
+            "copyin-memoryview-object",
+            lambda e: e.raw.copyin(memoryview(np.empty(8, object))),
+            ic,
+            "plain data",
+        ),
+        C(
+            "copyin-structured",
+            lambda e: e.a.copyin(np.zeros(N, [("x", "f2"), ("y", "f2")])),
+            ic,
+            "dtype must be float32",
+        ),
+        C("copyin-shape", lambda e: e.a.copyin(np.zeros((2, N // 2), f32)), ic, r"shape must be"),
+        C("copyout-shape", lambda e: e.big.copyout(np.zeros((2, N), f32)), ic, r"shape must be"),
+        C("copyin-zero-size", lambda e: e.raw.copyin(b""), ic, "must be 64 bytes"),
+        C("load-directory", lambda e: e.raw.load(e.path.parent), ic, r"regular file \(got a dir"),
+        C("alloc-nan", lambda e: e.d0.alloc(float("nan")), ic, "'nbytes' must be an int"),  # type: ignore[arg-type]
+        C("alloc-struct-object", lambda e: e.d0.alloc(16, dtype=[("o", object)]), ic, "'dtype'"),
+        C("alloc-dtype-empty", lambda e: e.d0.alloc(16, dtype="V0"), ic, "'dtype'"),
+        C(
+            "alloc-shared-huge",
+            lambda e: e.d0.alloc(1 << 62, shared=True),
+            OutOfMemory,
+            "out of",
+            False,
+        ),
+        C("view-huge", lambda e: e.raw.view(0, 1 << 70), ic, "must lie within"),
+        C("numpy-view-freed", lambda e: e.freed.numpy_view(), ic, "was freed", False),
+        C("import-bad-fd", lambda e: e.d0.import_buffer(-1, 64), ic, r"open memfd \(got fd -1"),
+        C("import-fd-str", lambda e: e.d0.import_buffer("3", 64), ic, "'fd' must be an int"),  # type: ignore[arg-type]
+        C("import-zero", lambda e: e.d0.import_buffer(0, 0), ic, "'nbytes' must be >= 1"),
+        C("program-async", lambda e: e.d0.program("p", _async_kernel), ic, "async def"),
+        C("program-generator", lambda e: e.d0.program("p", _gen_kernel), ic, "generator"),
         # -- Queue verbs --------------------------------------------------------------------------
-        C("wait-not-signal", lambda e: e.q.wait(3, 1), te, "'signal' must be a hcqa.Signal"),  # type: ignore[arg-type]
+        C("wait-closed-signal", lambda e: e.q.wait(e.gone, 1), dc_, "'gone' is closed", False),
+        C("signal-closed-signal", lambda e: e.q.signal(e.gone, 1), dc_, "is closed", False),
+        C("timestamp-closed", lambda e: e.q.timestamp(e.gone), dc_, "is closed", False),
+        C("wait-capture-fence", lambda e: _wait_on_capture_fence(e), ic, "await the replay", False),
+        C("wait-not-signal", lambda e: e.q.wait(3, 1), ic, "'signal' must be a hcqa.Signal"),  # type: ignore[arg-type]
         C("wait-neg", lambda e: e.q.wait(e.s, -1), ic, r"'value' must be in \[0, 2\*\*64 - 1\]"),
         C("wait-huge", lambda e: e.q.wait(e.s, 2**64), ic, r"'value' must be in"),
-        C("wait-float", lambda e: e.q.wait(e.s, 1.0), te, "'value' must be an int"),  # type: ignore[arg-type]
-        C("signal-str", lambda e: e.q.signal(e.s, "1"), te, "'value' must be an int"),  # type: ignore[arg-type]
-        C("timestamp-int", lambda e: e.q.timestamp(3), te, "'signal'"),  # type: ignore[arg-type]
+        C("wait-float", lambda e: e.q.wait(e.s, 1.0), ic, "'value' must be an int"),  # type: ignore[arg-type]
+        C("signal-str", lambda e: e.q.signal(e.s, "1"), ic, "'value' must be an int"),  # type: ignore[arg-type]
+        C("timestamp-int", lambda e: e.q.timestamp(3), ic, "'signal'"),  # type: ignore[arg-type]
         C("exec-on-copy", lambda e: e.qc.exec(e.c, (e.b, e.a), vals=(N,)), ic, "compute queue"),
-        C("exec-not-program", lambda e: e.q.exec(_two, (e.b, e.a)), te, "Program"),  # type: ignore[arg-type]
+        C("exec-not-program", lambda e: e.q.exec(_two, (e.b, e.a)), ic, "Program"),  # type: ignore[arg-type]
         C("exec-other-device", lambda e: e.q.exec(e.c1, (e.b, e.a), vals=(N,)), ic, "cpu:0"),
-        C("exec-bufs-buffer", lambda e: e.q.exec(e.py, e.b), te, "'bufs' must be a tuple"),  # type: ignore[arg-type]
+        C("exec-bufs-buffer", lambda e: e.q.exec(e.py, e.b), ic, "'bufs' must be a tuple"),  # type: ignore[arg-type]
         C("exec-bad-vals", lambda e: e.q.exec(e.c, (e.b, e.a), vals=(2**40,)), ic, "must be in"),
         C("copy-on-compute", lambda e: e.q.copy(e.b, e.a, 8), ic, "copy queue"),
         C("copy-other-device", lambda e: e.qc.copy(e.other, e.a, 8), ic, "transfer"),
         C("copy-zero", lambda e: e.qc.copy(e.b, e.a, 0), ic, r"'nbytes' must be in \[1, 64\]"),
         C("copy-too-long", lambda e: e.qc.copy(e.b, e.big, 65), ic, r"must be in \[1, 64\]"),
-        C("copy-array", lambda e: e.qc.copy(np.zeros(N, f32), e.a, 8), te, "'dest'"),  # type: ignore[arg-type]
-        C("copy-nbytes-str", lambda e: e.qc.copy(e.b, e.a, "8"), te, "'nbytes'"),  # type: ignore[arg-type]
+        C("copy-array", lambda e: e.qc.copy(np.zeros(N, f32), e.a, 8), ic, "'dest'"),  # type: ignore[arg-type]
+        C("copy-nbytes-str", lambda e: e.qc.copy(e.b, e.a, "8"), ic, "'nbytes'"),  # type: ignore[arg-type]
         # -- submitting queues with variables ------------------------------------------------------
         C("submit-unbound", lambda e: e.qv.submit(), ic, "unbound", False),
         C("submit-missing", lambda e: e.qv.submit(var_vals={"m": 1}), ic, "'n' is unbound", False),
         C("submit-range-hi", lambda e: e.qv.submit(var_vals={e.n: N + 1}), ic, r"\[1, 16\]"),
         C("submit-range-lo", lambda e: e.qv.submit(var_vals={"n": 0}), ic, r"\[1, 16\]"),
-        C("submit-str", lambda e: e.qv.submit(var_vals={"n": "3"}), te, "bound to an int"),  # type: ignore[dict-item]
+        C("submit-str", lambda e: e.qv.submit(var_vals={"n": "3"}), ic, "bound to an int"),  # type: ignore[dict-item]
         C("submit-async-range", lambda e: e.qv.submit_async(var_vals={"n": 99}), ic, r"\[1, 16\]"),
         C(
             "submit-div-zero",
@@ -359,11 +408,11 @@ def _cases() -> list[Any]:
         # -- signals and variables -----------------------------------------------------------
         C("signal-neg", lambda e: Signal(-1), ic, r"must be in \[0, 2\*\*64 - 1\]"),
         C("signal-huge", lambda e: Signal(2**64), ic, r"must be in \[0"),
-        C("signal-float", lambda e: Signal(1.5), te, "must be an int"),  # type: ignore[arg-type]
+        C("signal-float", lambda e: Signal(1.5), ic, "must be an int"),  # type: ignore[arg-type]
         C("signal-set-neg", lambda e: setattr(e.s, "value", -1), ic, r"must be in \[0"),
-        C("signal-set-none", lambda e: setattr(e.s, "value", None), te, "must be an int"),
+        C("signal-set-none", lambda e: setattr(e.s, "value", None), ic, "must be an int"),
         C("signal-wait-neg", lambda e: e.s.wait(-1), ic, r"must be in \[0"),
-        C("signal-wait-str", lambda e: e.s.wait("1"), te, "must be an int"),  # type: ignore[arg-type]
+        C("signal-wait-str", lambda e: e.s.wait("1"), ic, "must be an int"),  # type: ignore[arg-type]
         C(
             "fence-wait-sync-timeout",
             lambda e: e.d0.timeline.wait_sync(0, timeout=-0.5),
@@ -377,15 +426,23 @@ def _cases() -> list[Any]:
             r"must be in \[",
         ),
         C("signal-wait-sync-timeout", lambda e: e.s.wait_sync(0, timeout=-1), ic, "'timeout'"),
+        C("wait-sync-nan", lambda e: e.s.wait_sync(1, timeout=float("nan")), ic, "'timeout'"),
+        C("wait-sync-str", lambda e: e.s.wait_sync(1, timeout="1"), ic, "'timeout'"),  # type: ignore[arg-type]
+        C("add-peer-neg", lambda e: e.s.add_peer(-1), ic, r"open fd >= 0 \(got -1\)"),
+        C("add-peer-str", lambda e: e.s.add_peer("x"), ic, r"int fd \(got str\)"),  # type: ignore[arg-type]
+        C("add-peer-closed-signal", lambda e: e.gone.add_peer(-1), ic, "open fd"),
+        C("signal-name-empty", lambda e: Variable("", 0, 1), ic, "non-empty str"),
+        C("tracer-dir", lambda e: hcqa.Tracer(e.path.parent), ic, "must be a file"),
+        C("tracer-missing-dir", lambda e: hcqa.Tracer(e.path / "x" / "t.json"), ic, "can't write"),
         C("variable-range", lambda e: Variable("v", 5, 1), ic, r"'hi' must be >= lo = 5 \(got 1\)"),
-        C("variable-lo-float", lambda e: Variable("v", 0.5, 1), te, "'lo' must be an int"),  # type: ignore[arg-type]
-        C("variable-name-int", lambda e: Variable(3, 0, 1), te, "'name'"),  # type: ignore[arg-type]
-        C("variable-plus-float", lambda e: e.n + 1.5, te, "unsupported operand", False),  # type: ignore[operator]
+        C("variable-lo-float", lambda e: Variable("v", 0.5, 1), ic, "'lo' must be an int"),  # type: ignore[arg-type]
+        C("variable-name-int", lambda e: Variable(3, 0, 1), ic, "'name'"),  # type: ignore[arg-type]
+        C("variable-plus-float", lambda e: e.n + 1.5, py_te, "unsupported operand", False),  # type: ignore[operator]
         # -- graphs ------------------------------------------------------------------------------
         C("replay-unknown", lambda e: e.g.submit(n=1, m=2), ic, r"unknown variables \['m'\]"),
         C("replay-missing", lambda e: e.g.submit(), ic, "'n' is unbound", False),
         C("replay-range", lambda e: e.g.submit(n=N + 1), ic, r"\[1, 16\]"),
-        C("replay-type", lambda e: e.g.submit(n="1"), te, "bound to an int"),  # type: ignore[arg-type]
+        C("replay-type", lambda e: e.g.submit(n="1"), ic, "bound to an int"),  # type: ignore[arg-type]
         C("replay-async-range", lambda e: e.g(n=0), ic, r"\[1, 16\]"),
         C("replay-empty", lambda e: e.empty.submit(), ic, "captured no work", False),
         C(
@@ -438,6 +495,20 @@ def _cases() -> list[Any]:
     return out
 
 
+async def _async_kernel(out: Any) -> None:  # pragma: no cover - never accepted
+    pass
+
+
+def _gen_kernel(out: Any) -> Any:  # pragma: no cover - never accepted
+    yield
+
+
+def _wait_on_capture_fence(e: Env) -> None:
+    with hcqa.capture():
+        fence = e.py(e.b, e.a)
+    e.q.wait(fence.signal, fence.value)
+
+
 def _readonly(n: int) -> npt.NDArray[np.float32]:
     arr = np.zeros(n, np.float32)
     arr.flags.writeable = False
@@ -479,6 +550,22 @@ async def test_bad_input_is_refused_and_changes_nothing(case: Case, tmp_path: Pa
         assert _snapshot(env) == before
         assert _contents(env) == contents
         assert env.d0.faulted is None and env.d1.faulted is None
+        await _still_computes(env)
+
+
+async def _still_computes(env: Env) -> None:
+    """After the refusal both devices compute correctly: a C kernel, a copy out and a
+    cross-device transfer, checked against numpy."""
+    env.hold.value = 1  # let the held work go first: d0's compute queue waits behind it
+    with trio.fail_after(SAFE):
+        await env.c(env.b, env.a, vals=(N,))
+        await hcqa.transfer(env.other, env.b)
+        a, b, other = (np.empty(N, np.float32) for _ in range(3))
+        await env.a.copyout(a)
+        await env.b.copyout(b)
+        await env.other.copyout(other)
+    assert (b == a + 1).all() and (other == b).all()
+    assert env.d0.faulted is None and env.d1.faulted is None
 
 
 def test_the_matrix_covers_every_public_entry_point() -> None:

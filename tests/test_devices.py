@@ -90,8 +90,11 @@ async def test_open_device_name_timeline_synchronize() -> None:
 
 
 async def test_open_devices_spec_spellings() -> None:
-    async with hcqa.open_devices(" cpu:3 ", "cpu") as devices:
+    async with hcqa.open_devices(" cpu:3 ", "cpu:0") as devices:
         assert [d.name for d in devices] == ["cpu:3", "cpu:0"]
+    with pytest.raises(InvalidCommand, match=r"'cpu:N' .*\(got 'cpu'; did you mean 'cpu:0'\?\)"):
+        async with hcqa.open_devices("cpu"):
+            pass  # pragma: no cover
 
 
 async def test_open_devices_yields_a_tuple() -> None:

@@ -165,7 +165,7 @@ class Engine:
 
     @staticmethod
     def _timestamp(c: Any) -> None:
-        c.signal.write_timestamp(time.monotonic_ns())
+        c.signal._stamp_from_engine(time.monotonic_ns())
 
     @staticmethod
     def _barrier(c: Any) -> None:

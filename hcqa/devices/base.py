@@ -21,7 +21,9 @@ that instance; later enqueues raise it, later waits raise it.
 
 from __future__ import annotations
 
+import mmap
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -143,8 +145,15 @@ class Device:
         if isinstance(shape, bool):
             raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
         n, dt, shp = typed_size(nbytes, dtype, shape)  # an int shape becomes (shape,)
-        if shared:
-            mem = HostMemory(n, shareable=True)
+        if shared:  # counted against the device's memory like any allocation
+            size = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+            self.allocator.charge(size)
+            try:
+                mem = HostMemory(n, shareable=True)
+            except BaseException:
+                self.allocator.uncharge(size)
+                raise
+            mem.charged = size
             self._shared.add(mem)
         else:
             mem = self.allocator.alloc(n)
@@ -159,12 +168,16 @@ class Device:
         dtype: npt.DTypeLike | None = None,
         shape: tuple[int, ...] | list[int] | None = None,
     ) -> Buffer:
-        """A buffer over shared memory exported by another process (takes ``fd``)."""
+        """A buffer over shared memory exported by another process.
+
+        Takes ownership of ``fd`` when it returns; when it raises (a bad, closed or
+        too small fd) the fd is left to the caller."""
         self._check_usable()
         if not self.host_visible:
             raise InvalidCommand(f"{self.name} is not host-visible: it can't map shared memory")
-        shp = tuple(shape) if shape is not None else None
+        shp = tuple(shape) if isinstance(shape, (tuple, list)) else shape
         n, dt, shp = typed_size(nbytes, dtype, shp)
+        offset = check_size("offset", offset)
         mem = HostMemory(offset + n, fd=fd)
         self._shared.add(mem)
         whole = Buffer(self, mem, offset + n)
@@ -413,10 +426,17 @@ class Device:
         n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
         if n > buf.nbytes:
             raise InvalidCommand(f"'nbytes' must be <= the buffer's {buf.nbytes} bytes (got {n})")
-        try:
-            size = os.stat(path).st_size
+        try:  # opened now, so a file the engine could not read is refused here
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
             raise InvalidCommand(f"load: cannot read {path!r}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidCommand(f"load: {path!r} must be a regular file (got {_file_kind(st)})")
+        size = st.st_size
         if offset + n > size:
             raise InvalidCommand(
                 f"load: {path!r} must hold offset + nbytes = {offset + n} bytes (got {size})"
@@ -471,6 +491,19 @@ class Device:
         self.allocator.close()
         for mem in list(self._shared):
             mem.close()
+
+
+def _file_kind(st: os.stat_result) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a pipe"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(st.st_mode):
+            return kind
+    return "not a regular file"
 
 
 def _describe(command: Any) -> str:

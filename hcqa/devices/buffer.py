@@ -45,6 +45,7 @@ __all__ = [
     "Buffer",
     "Hazards",
     "check_int",
+    "check_plain_dtype",
     "check_size",
     "hazard_waits",
     "host_ref",
@@ -55,7 +56,7 @@ __all__ = [
 def check_size(name: str, value: object, *, minimum: int = 0) -> int:
     """``value`` as an int >= minimum, with the house error messages."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+        raise InvalidCommand(f"{name!r} must be an int (got {type(value).__name__})")
     if value < minimum:
         raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
     return int(value)
@@ -65,10 +66,19 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     """``value``, a plain int >= minimum (no bools, no numpy ints), with the house error
     messages: for counts and settings, where :func:`check_size` takes sizes."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+        raise InvalidCommand(f"{name!r} must be an int (got {type(value).__name__})")
     if value < minimum:
         raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
     return value
+
+
+def check_plain_dtype(what: str, dt: np.dtype[Any]) -> None:
+    """Refuse dtypes whose bytes are not plain data: Python objects (alone or inside a
+    structured dtype) would hand raw pointers to engines and kernels."""
+    if dt.hasobject:
+        raise InvalidCommand(f"{what} must be a plain, non-object dtype (got {dt})")
+    if dt.itemsize == 0:
+        raise InvalidCommand(f"{what} must be a fixed-size dtype (got {dt}, of 0 bytes)")
 
 
 class Hazards:
@@ -112,10 +122,17 @@ def hazard_waits(
     return [cmd.Wait(signal=q.signal, value=v) for q, v in need.items()]
 
 
-def _free(device: Device, mem: HostMemory) -> None:
+def _free(device: Device, mem: HostMemory, lent: set[int]) -> None:
     if mem.fd is not None:  # shared memory: not the allocator's
         mem.close()
-    elif not device._closed:
+        if mem.charged:
+            device.allocator.uncharge(mem.charged)
+            mem.charged = 0
+    elif device._closed:
+        pass
+    elif len(lent):  # a numpy_view() still lives: never hand this memory out again
+        device.allocator.retire(mem)
+    else:
         device.allocator.free(mem)
 
 
@@ -147,7 +164,9 @@ class Buffer:
         self._freed = False
         self._array: npt.NDArray[Any] | None = None
         if base is None:
-            self._finalizer = weakref.finalize(self, _free, device, mem)
+            # ids of the live anchors of arrays numpy_view() handed out (see _free)
+            self._lent: set[int] = set()
+            self._finalizer = weakref.finalize(self, _free, device, mem, self._lent)
 
     # -- views ---------------------------------------------------------------------------
 
@@ -181,13 +200,20 @@ class Buffer:
     def numpy_view(self) -> npt.NDArray[Any]:
         """The buffer's memory as a numpy array (what Python programs receive).
 
-        Only for host-visible devices; reading it while work is queued races that work."""
+        Only for host-visible devices; reading it while work is queued races that work.
+        The array stays safe to hold after ``free()``: memory that a view still covers is
+        never handed to another allocation (it is unmapped when the last view goes)."""
         self._check()
         if not self.device.host_visible:
             raise InvalidCommand(
                 f"{self.device.name} is not host-visible: use copyout() to read its buffers"
             )
-        return self._kernel_array()
+        anchor = self._mem.anchor(self.offset, self.nbytes)
+        lent, key = self._owner._lent, id(anchor)
+        lent.add(key)
+        weakref.finalize(anchor, lent.discard, key)  # set.add / discard: atomic in any thread
+        arr = np.frombuffer(memoryview(anchor), self.dtype if self.dtype is not None else np.uint8)
+        return arr.reshape(self.shape) if self.shape is not None else arr
 
     def _kernel_array(self) -> npt.NDArray[Any]:
         arr = self._array
@@ -203,17 +229,27 @@ class Buffer:
     # -- host copies and files -----------------------------------------------------------
 
     def copyin(self, src: Any) -> Fence:
-        """Copy a host array (or bytes) of exactly ``nbytes`` into the buffer."""
+        """Copy a host array (or bytes) of exactly ``nbytes`` into the buffer.
+
+        The array is read when the copy *runs*, not now: leave it unchanged until the
+        returned fence is reached (hcqa keeps a reference to it until then). A typed
+        buffer takes an array of its dtype and shape; a raw one any plain array of its
+        size. Not snapshotted: a copy at enqueue would double the memory traffic of every
+        transfer, and snapshotting only small arrays would make the rule depend on size."""
         return self.device._copyin(self, src)
 
     def copyout(self, dest: Any) -> Fence:
-        """Copy the buffer into a writable, C-contiguous host array of exactly ``nbytes``."""
+        """Copy the buffer into a writable, C-contiguous host array of exactly ``nbytes``
+        (of the buffer's dtype and shape, for a typed buffer); it is filled when the copy
+        runs: read it once the returned fence is reached."""
         return self.device._copyout(self, dest)
 
     def load(
         self, path: str | os.PathLike[str], *, offset: int = 0, nbytes: int | None = None
     ) -> Fence:
         """Read ``nbytes`` (default: the buffer size) of a file from ``offset`` into it."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidCommand(f"'path' must be a str or os.PathLike (got {type(path).__name__})")
         return self.device._load(self, os.fspath(path), offset, nbytes)
 
     def export(self) -> tuple[int, dict[str, Any]]:
@@ -271,10 +307,9 @@ def _typed(
         return None, None
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"'dtype' must be a numpy dtype (got {dtype!r})") from exc
-    if dt.itemsize == 0 or dt.hasobject:
-        raise InvalidCommand(f"'dtype' must be a fixed-size, non-object dtype (got {dt})")
+    except (TypeError, ValueError) as exc:
+        raise InvalidCommand(f"'dtype' must be a numpy dtype (got {dtype!r})") from exc
+    check_plain_dtype("'dtype'", dt)
     if shape is None:
         if nbytes is None or nbytes % dt.itemsize:
             raise InvalidCommand(
@@ -314,6 +349,7 @@ def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
     what = "copyout" if writable else "copyin"
     if isinstance(obj, np.ndarray):
         arr = obj
+        check_plain_dtype(f"{what}: the host array's dtype", arr.dtype)
         if buf.dtype is not None and arr.dtype != buf.dtype:
             raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype})")
         if writable:
@@ -329,18 +365,28 @@ def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
             raise InvalidCommand(
                 f"{what}: the destination must be writable (got {type(obj).__name__})"
             )
+        if isinstance(obj, memoryview) and ("O" in obj.format or not obj.c_contiguous):
+            raise InvalidCommand(
+                f"{what}: a memoryview must be C-contiguous plain data "
+                f"(got format {obj.format!r}, contiguous={obj.c_contiguous})"
+            )
         try:
             arr = np.frombuffer(obj, dtype=np.uint8)
-        except (ValueError, BufferError) as exc:
-            raise InvalidCommand(f"{what}: need a contiguous buffer ({exc})") from exc
+        except (ValueError, BufferError, TypeError) as exc:
+            raise InvalidCommand(f"{what}: need a contiguous buffer (got {exc})") from exc
     else:
-        raise TypeError(
+        raise InvalidCommand(
             f"{what} needs a numpy array, bytes, bytearray or memoryview (got {type(obj).__name__})"
         )
     if arr.nbytes != buf.nbytes:
         raise InvalidCommand(
             f"{what}: host data must be {buf.nbytes} bytes, the buffer's size "
             f"(got {arr.nbytes}; use buf.view() for part of a buffer)"
+        )
+    if isinstance(obj, np.ndarray) and buf.shape is not None and obj.shape != buf.shape:
+        raise InvalidCommand(
+            f"{what}: shape must be {buf.shape}, the buffer's (got {obj.shape}; "
+            "reshape the array to match)"
         )
     return cmd.HostMemoryRef(
         va_addr=arr.__array_interface__["data"][0], nbytes=arr.nbytes, keep=(obj, arr)

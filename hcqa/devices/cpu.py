@@ -72,7 +72,7 @@ class CpuDevice(Device):
         if isinstance(src, str):
             kernel = compile_c(src, entry if entry is not None else name)
             return Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
-        raise TypeError(
+        raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
         )
 

@@ -35,6 +35,7 @@ import functools
 import mmap
 import operator
 import os
+import stat
 import threading
 from collections.abc import Callable
 from typing import Any, SupportsIndex, TypeVar
@@ -58,6 +59,7 @@ __all__ = [
 
 PAGE_SIZE = mmap.PAGESIZE
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 _HUGE = 2 << 20
 _POW2_ABOVE = 1 << 20
 
@@ -65,7 +67,7 @@ _POW2_ABOVE = 1 << 20
 def _check_int(name: str, value: object, minimum: int) -> int:
     """``value`` as an int >= ``minimum``; TypeError for non-ints (bool included)."""
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise TypeError(f"{name!r} must be an int (got {type(value).__name__})")
+        raise InvalidCommand(f"{name!r} must be an int (got {type(value).__name__})")
     result = operator.index(value)
     if result < minimum:
         op = f"> {minimum - 1}" if minimum else ">= 0"
@@ -75,6 +77,17 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def _mapped(size: int, make: Callable[[], _T]) -> _T:
+    """``make()``, with the kernel's refusal to map ``size`` bytes as :class:`OutOfMemory`."""
+    try:
+        return make()
+    except (OSError, OverflowError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise OutOfMemory(
+            f"out of memory: can't map 'nbytes' = {size} bytes (got: {why})"
+        ) from None
 
 
 def size_class(nbytes: int) -> int:
@@ -94,29 +107,55 @@ class HostMemory:
     def __init__(self, nbytes: int, *, shareable: bool = False, fd: int | None = None) -> None:
         self._nbytes = _check_int("nbytes", nbytes, 1)
         self._capacity = _round_up(self._nbytes, PAGE_SIZE)
-        if shareable and fd is None:
-            fd = memfd("hcqa-buffer", self._capacity)  # sealed: see hcqa._slots
-        self.fd = fd
-        if fd is None:
+        self.fd: int | None = None
+        self.charged = 0  # bytes counted against a device's memory (shared allocations)
+        self._mm: mmap.mmap | None = None
+        if fd is None and not shareable:
             # Private, not shared: the kernel backs large private mappings with huge
             # pages (copies run ~20 % faster than over 4 KiB shared pages); memory for
-            # other processes is the memfd path above.
+            # other processes is the memfd path below.
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            self._mm: mmap.mmap | None = mmap.mmap(-1, self._capacity, flags=flags)
+            self._mm = _mapped(self._capacity, lambda: mmap.mmap(-1, self._capacity, flags=flags))
             if self._capacity >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
-        else:
-            size = os.fstat(fd).st_size
-            if size < self._nbytes:
-                os.close(fd)
-                raise InvalidCommand(
-                    f"shared memory must hold 'nbytes' = {self._nbytes} bytes (got {size})"
+        elif fd is None:
+            made = _mapped(self._capacity, lambda: memfd("hcqa-buffer", self._capacity))
+            try:  # sealed (see hcqa._slots); a failure closes the memfd: nothing leaks
+                self._mm = _mapped(
+                    self._capacity, lambda: mmap.mmap(made, self._capacity, mmap.MAP_SHARED)
                 )
-            self._capacity = min(self._capacity, size)
-            self._mm = mmap.mmap(fd, self._capacity, mmap.MAP_SHARED)
+            except BaseException:
+                os.close(made)
+                raise
+            self.fd = made
+        else:
+            self._mm = self._map_received(fd)
+            self.fd = fd
         anchor = ctypes.c_char.from_buffer(self._mm)
         self._address = ctypes.addressof(anchor)
         del anchor  # release the buffer export at once, or close() could never unmap
+
+    def _map_received(self, fd: object) -> mmap.mmap:
+        """Map a memfd received from another process; refuse (leaving the fd to the
+        caller) anything that is not an open, large enough regular file or memfd."""
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise InvalidCommand(f"'fd' must be an int file descriptor (got {type(fd).__name__})")
+        try:
+            st = os.fstat(fd)
+        except (OSError, OverflowError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            raise InvalidCommand(f"'fd' must be an open memfd (got fd {fd}: {why})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidCommand(f"'fd' must be a memfd or a regular file (got fd {fd}, not one)")
+        if st.st_size < self._nbytes:
+            raise InvalidCommand(
+                f"shared memory must hold 'nbytes' = {self._nbytes} bytes (got {st.st_size})"
+            )
+        self._capacity = min(self._capacity, st.st_size)
+        try:
+            return mmap.mmap(fd, self._capacity, mmap.MAP_SHARED)
+        except OSError as exc:
+            raise InvalidCommand(f"'fd' {fd} can't be mapped shared: {exc.strerror}") from None
 
     @property
     def nbytes(self) -> int:
@@ -258,6 +297,27 @@ class CachingAllocator:
         return block
 
     @_locked
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` of memory mapped elsewhere (shared memory) as used; evicts
+        cached blocks to make room, :class:`OutOfMemory` when even that does not."""
+        if self._closed:
+            raise InvalidCommand(f"{self.name}: allocator is closed")
+        if self._used + nbytes > self.capacity:
+            raise OutOfMemory(
+                f"{self.name}: out of memory: 'nbytes' {nbytes} of shared memory requested,"
+                f" {self.capacity - self._used} of {self.capacity} bytes free"
+                f" ({self._cached} cached)"
+            )
+        while self._used + self._cached + nbytes > self.capacity:
+            self._evict_oldest()
+        self._used += nbytes
+
+    @_locked
+    def uncharge(self, nbytes: int) -> None:
+        """Undo :meth:`charge` (the shared memory was unmapped)."""
+        self._used -= nbytes
+
+    @_locked
     def free(self, block: HostMemory) -> None:
         """Return ``block`` to the cache; it stays mapped for the next request of its class."""
         key = id(block)
@@ -273,6 +333,17 @@ class CachingAllocator:
         self._by_class.setdefault(size, collections.OrderedDict())[key] = block
         self._lru[key] = block
         self._cached += size
+
+    @_locked
+    def retire(self, block: HostMemory) -> None:
+        """Take ``block`` out of use for good: unmapped (once arrays over it are gone),
+        never cached, so memory that someone still sees is never handed out again."""
+        key = id(block)
+        if self._live.get(key) is not block:
+            raise InvalidCommand(f"{self.name}: not allocated here: {block!r}")
+        del self._live[key]
+        self._used -= block.capacity
+        block.close()
 
     def _evict_oldest(self) -> None:
         key, block = self._lru.popitem(last=False)

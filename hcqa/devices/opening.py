@@ -38,7 +38,7 @@ from hcqa.signals import Fence
 
 __all__ = ["open_device", "open_devices", "transfer"]
 
-_SPEC = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+_SPEC = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def _default_memory() -> int:
@@ -51,11 +51,12 @@ def _default_memory() -> int:
 def _parse(spec: object) -> tuple[str, int, str]:
     """(kind, index, name) of a device spec."""
     if not isinstance(spec, str):
-        raise TypeError(f"device spec must be a str like 'cpu:0' (got {type(spec).__name__})")
+        raise InvalidCommand(f"device spec must be a str like 'cpu:0' (got {type(spec).__name__})")
     m = _SPEC.match(spec.strip())
     if m is None:
-        raise InvalidCommand(f"device spec must look like 'cpu:N' or 'cuda:N' (got {spec!r})")
-    kind, index = m.group(1), int(m.group(2) or 0)
+        hint = f"; did you mean '{spec.strip()}:0'?" if spec.strip() in ("cpu", "cuda") else ""
+        raise InvalidCommand(f"device spec must look like 'cpu:N' or 'cuda:N' (got {spec!r}{hint})")
+    kind, index = m.group(1), int(m.group(2))
     return kind, index, f"{kind}:{index}"
 
 
@@ -86,13 +87,13 @@ def _options(
     timeline_start: int = 0,
 ) -> dict[str, Any]:
     if isinstance(hang_limit, bool) or not isinstance(hang_limit, (int, float)):
-        raise TypeError(
+        raise InvalidCommand(
             f"'hang_limit' must be a number of seconds (got {type(hang_limit).__name__})"
         )
     if not hang_limit > 0:
         raise InvalidCommand(f"'hang_limit' must be > 0 (got {hang_limit})")
     if not isinstance(host_visible, bool):
-        raise TypeError(f"'host_visible' must be a bool (got {type(host_visible).__name__})")
+        raise InvalidCommand(f"'host_visible' must be a bool (got {type(host_visible).__name__})")
     check_int("queue_depth", queue_depth, minimum=1)
     check_int("timeline_start", timeline_start, minimum=0)
     if memory is None:
@@ -122,7 +123,7 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
         return
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
-        raise TypeError(
+        raise InvalidCommand(
             f"open_devices() got unknown options {unknown} (expected some of {sorted(_OPTIONS)})"
         )
     opts = _options(**options)
@@ -191,7 +192,9 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     destination timeline's Fence."""
     for name, b in (("dest", dest), ("src", src)):
         if not isinstance(b, Buffer):
-            raise TypeError(f"transfer {name!r} must be a hcqa.Buffer (got {type(b).__name__})")
+            raise InvalidCommand(
+                f"transfer {name!r} must be a hcqa.Buffer (got {type(b).__name__})"
+            )
         b._check()
     if dest.nbytes != src.nbytes:
         raise InvalidCommand(

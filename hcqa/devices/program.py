@@ -10,9 +10,9 @@ vals -- ctypes releases the GIL for the call.
 
 Calling a program validates everything *on the caller's task* -- buffer types
 and devices, argument counts, value ranges, sizes -- and raises
-:class:`~hcqa.errors.InvalidCommand` or ``TypeError`` before anything is
-queued. Then it enqueues one ``Exec`` on the device's compute queue and returns
-the :class:`~hcqa.signals.Fence` the timeline will reach when it is done.
+:class:`~hcqa.errors.InvalidCommand` before anything is queued. Then it
+enqueues one ``Exec`` on the device's compute queue and returns the
+:class:`~hcqa.signals.Fence` the timeline will reach when it is done.
 
 Launch geometry reaches the kernel, resolved to 3-tuples of ints, or is refused:
 
@@ -88,6 +88,25 @@ def _keyword_only(fn: Callable[..., Any]) -> tuple[str, ...]:
     )
 
 
+def _check_plain_function(name: str, fn: Callable[..., Any]) -> None:
+    """Refuse kernels whose call would do nothing: an ``async def`` or generator function
+    only builds a coroutine or generator object, which the engine would drop unrun."""
+    call = getattr(fn, "__call__", None)  # noqa: B004  (a callable object's method)
+    for f in (fn, call):
+        if f is None:
+            continue
+        for test, what in (
+            (inspect.iscoroutinefunction, "an async def function"),
+            (inspect.isasyncgenfunction, "an async generator function"),
+            (inspect.isgeneratorfunction, "a generator function"),
+        ):
+            if test(f):
+                raise InvalidCommand(
+                    f"program {name!r} must be a plain function that does the work when "
+                    f"called (got {what}: calling it would only build an object, run nothing)"
+                )
+
+
 def _size3(name: str, value: object) -> tuple[IntLike, IntLike, IntLike]:
     if isinstance(value, (int, Variable, Expr)) and not isinstance(value, bool):
         value = (value, 1, 1)
@@ -126,7 +145,7 @@ class Program:
         self.kernel = kernel
         self.kind = "c" if kernel is not None else "python"
         if not isinstance(geometry, bool):
-            raise TypeError(f"'geometry' must be a bool (got {type(geometry).__name__})")
+            raise InvalidCommand(f"'geometry' must be a bool (got {type(geometry).__name__})")
         # the launch-geometry arguments this kernel receives (see the module doc)
         self.geometry: tuple[str, ...] = ()
         if kernel is not None:
@@ -152,6 +171,7 @@ class Program:
                     "'geometry' is for C kernels (got a Python callable: declare keyword-only "
                     "'global_size' / 'local_size' parameters instead)"
                 )
+            _check_plain_function(name, fn)
             self.n_buffers = None
             self.n_vals = None
             self.val_ranges = None
@@ -207,7 +227,7 @@ class Program:
         """Check a call's arguments; the Exec command it makes (vals may be symbolic)."""
         for i, b in enumerate(bufs):
             if not isinstance(b, Buffer):
-                raise TypeError(
+                raise InvalidCommand(
                     f"{self.name!r} buffer {i} must be a hcqa.Buffer (got {type(b).__name__})"
                 )
             if b.device is not self.device:
@@ -217,12 +237,14 @@ class Program:
                 )
             b._check()
         if not isinstance(vals, (tuple, list)):
-            raise TypeError(f"'vals' must be a tuple of ints (got {type(vals).__name__})")
+            raise InvalidCommand(f"'vals' must be a tuple of ints (got {type(vals).__name__})")
         if any(isinstance(v, np.integer) for v in vals):
             vals = [int(v) if isinstance(v, np.integer) else v for v in vals]
         for i, v in enumerate(vals):
             if not isinstance(v, (int, Variable, Expr)) or isinstance(v, bool):
-                raise TypeError(f"{self.name!r} val {i} must be an int (got {type(v).__name__})")
+                raise InvalidCommand(
+                    f"{self.name!r} val {i} must be an int (got {type(v).__name__})"
+                )
         if self.kernel is not None:
             if len(bufs) != self.n_buffers or len(vals) != self.n_vals:
                 raise InvalidCommand(
