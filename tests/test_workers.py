@@ -21,6 +21,8 @@ from hcqa.processes import open_process_pipeline
 from hcqa.processes.ipc import attach_signal, check_peer, offer_signal, recv_message, send_message
 from hcqa.signals import Signal
 
+TESTS = os.path.dirname(os.path.abspath(__file__))  # _stages.py: given to workers as path=
+
 
 def fd_count() -> int:
     """Open fds, after warming what is created once per process (the signal slot page)."""
@@ -358,22 +360,15 @@ async def test_large_outputs_are_lent_not_copied_and_never_overwritten_while_hel
     gc.collect()
 
 
-@pytest.fixture
-def test_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers can import ``_stages`` (this directory) like an application's module."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", here if not path else here + os.pathsep + path)
-
-
-@pytest.mark.usefixtures("test_stages")
 async def test_stage_factories_and_stages_that_change_shape_and_dtype() -> None:
     x = np.arange(32, dtype=np.float32).reshape(4, 8)
     stages = [
         hcqa.ProcessStage(fn="_stages:scaled", args={"factor": 3.0}),
         hcqa.ProcessStage(fn="_stages:row_sums", out_shape=(4,), out_dtype="float64"),
     ]
-    async with open_process_pipeline(stages, in_shape=(4, 8), dtype="float32") as pipe:
+    async with open_process_pipeline(
+        stages, in_shape=(4, 8), dtype="float32", path=[TESTS]
+    ) as pipe:
         assert pipe.loans == 0  # 32-byte results are copied, never lent
         with trio.fail_after(20):
             y = await pipe(x)
@@ -381,11 +376,10 @@ async def test_stage_factories_and_stages_that_change_shape_and_dtype() -> None:
     np.testing.assert_allclose(y, (x * 3.0).sum(axis=1))
 
 
-@pytest.mark.usefixtures("test_stages")
 async def test_lent_results_have_the_last_stages_shape_and_dtype() -> None:
     x = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
     stages = [hcqa.ProcessStage(fn="_stages:widen", out_dtype="float64")]
-    async with open_process_pipeline(stages, in_shape=(256, 128), depth=3) as pipe:
+    async with open_process_pipeline(stages, in_shape=(256, 128), depth=3, path=[TESTS]) as pipe:
         assert pipe.loans == 3  # 256 KiB results: lent, up to depth of them
         with trio.fail_after(20):
             ys = [await pipe(x + i) for i in range(3)]
