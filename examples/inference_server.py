@@ -1,9 +1,11 @@
 """An async inference server with hcqa: your own two-stage pipeline, served over HTTP.
 
 Stage 1 (on ``cpu:0``) standardises each row of a batch; stage 2 (on ``cpu:1``) is a linear
-classifier with a softmax. ``hcqa.serve.serve`` runs hypercorn's trio worker in the same trio
-run as the devices, so each ``POST /infer`` simply awaits the pipeline while the kernels run
-in the devices' engine threads, and ``GET /health`` keeps answering at once meanwhile.
+classifier with a softmax. ``hcqa.serve.serve`` runs a Starlette app under hypercorn's trio
+worker in the same trio run as the devices: single samples from concurrent clients are
+batched dynamically (``hcqa.open_batcher``) into the pipeline's batches of ``BATCH`` rows,
+while ``GET /health`` and ``GET /metrics`` keep answering at once. SIGTERM or Ctrl-C drains:
+the server stops accepting, finishes the requests in flight, and the script exits 0.
 
     pip install 'hcqa[serve]'
     python examples/inference_server.py            # serves on http://127.0.0.1:8000
@@ -13,10 +15,14 @@ in the devices' engine threads, and ``GET /health`` keeps answering at once mean
     python -c 'import json; print(json.dumps({"inputs": [[(i * j + j * j) % 11
         for j in range(16)] for i in range(4)]}))' > x.json
     curl -s -H 'Content-Type: application/json' -d @x.json localhost:8000/infer
+    curl -s -H 'Content-Type: application/json' -d '{"inputs": [1, 2, 3, 4, 5, 6, 7, 8,
+        9, 10, 11, 12, 13, 14, 15, 16]}' localhost:8000/infer       # one sample, batched
+    curl -s localhost:8000/metrics
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import numpy as np
@@ -54,14 +60,25 @@ async def build_pipeline(d0: hcqa.Device, d1: hcqa.Device) -> hcqa.Pipeline:
 
 
 async def main(port: int) -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-        pipe = await build_pipeline(d0, d1)
-        print(f"serving {pipe} on http://127.0.0.1:{port} (Ctrl-C stops)")
-        await serve(pipe, host="127.0.0.1", port=port)  # until cancelled or Ctrl-C
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1), trio.open_nursery() as nursery:
+            pipe = await build_pipeline(d0, d1)
+
+            async def on_signal() -> None:
+                async for _ in signals:
+                    print("draining: finishing the requests in flight")
+                    stop.set()
+                    return
+
+            nursery.start_soon(on_signal)
+            print(f"serving {pipe} on http://127.0.0.1:{port} (Ctrl-C drains and stops)")
+            await serve(
+                pipe, host="127.0.0.1", port=port, max_wait=0.002, shutdown_trigger=stop.wait
+            )
+            nursery.cancel_scope.cancel()
+    print("stopped")
 
 
 if __name__ == "__main__":
-    try:
-        trio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 8000)
-    except KeyboardInterrupt:
-        print("stopped")
+    trio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 8000)

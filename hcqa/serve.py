@@ -1,142 +1,151 @@
-"""An async inference server: HTTP from trio (hypercorn's trio worker) awaiting a pipeline.
+"""An async inference server: Starlette on trio (through anyio) under hypercorn.
 
 Theory of operation
 -------------------
-:func:`make_app` wraps a :class:`~hcqa.Pipeline` in a small ASGI app; :func:`serve` runs it
-under hypercorn's trio worker, so the HTTP server, the pipeline's queue actors and the
-devices' wake-ups all share one trio event loop. ``POST /infer`` decodes the body, then
-``await pipeline(x)``: the handler task parks until the last stage's copyout fence is
-reached. The kernels run in the devices' engine threads, so while they run the loop is
-free and ``GET /health`` answers in well under a millisecond of its own work.
+:func:`make_app` builds a Starlette app around a :class:`~hcqa.Pipeline` (or a
+:class:`~hcqa.ProcessPipeline`) and, optionally, a :class:`~hcqa.Batcher` over it;
+:func:`serve` opens the batcher, runs the app under hypercorn's trio worker in the
+current trio run, and drains on a shutdown trigger. The HTTP server, the batcher's
+collector, the pipeline's queue actors and the devices' wake-ups share one event loop;
+the kernels run in engine threads (or worker processes), so the loop only routes.
 
-Backpressure is the pipeline's: at most ``depth`` microbatches are on the devices; more
-requests wait on its semaphore (parked, costing no CPU); ``max_pending`` turns requests
-beyond that many waiting into an immediate ``503`` instead. A client that disconnects
-cancels its request: it leaves the queue, or stops waiting for its microbatch (whose
-queued work still completes; the pipeline reuses the slot safely after it).
+``POST /infer`` reads the body (bounded: 413 past ``max_body``), decodes it
+(:mod:`hcqa._serve_inputs`: one sample or a batch, JSON or raw bytes, plain-language 400s)
+and then
 
-Decoding and encoding large JSON bodies takes milliseconds of pure Python, so bodies over
-64 KiB are (de)serialised in a worker thread (``trio.to_thread``), keeping the loop's
-stalls at the interpreter's GIL switch interval. Raw ``application/octet-stream``
-bodies (little-endian, C order, exactly the input's size) need no such work.
+- one sample: ``await batcher(sample)`` -- it shares a microbatch with whatever other
+  single samples are pending (without a batcher it runs alone, padded to the pipeline's
+  batch dimension);
+- a batch of ``n``: runs directly, in chunks of the pipeline's batch dimension (the last
+  one padded), up to the pipeline's depth at once.
 
-Endpoints::
+A client that disconnects cancels its request (see :mod:`hcqa.batcher` for what that
+does to its batch). ``max_pending`` bounds the ``/infer`` requests admitted at once;
+one more gets ``503`` at once instead of queueing.
 
-    GET  /health   200 {"status": "ok", ...} while every device is usable, else 503
-    POST /infer    {"inputs": [[...], ...]} -> {"outputs": ..., "shape": ..., "dtype": ...}
-                   or raw bytes -> raw bytes (headers x-hcqa-shape, x-hcqa-dtype)
-                   400 bad body (expected vs got), 413 too large, 415 other media type,
-                   500 DeviceFault, 503 closed device or too many waiting
-    GET  /stats    server counters, latency percentiles, pipeline and device statistics
+Draining: when the shutdown trigger fires (``hcqa serve`` wires it to SIGTERM and
+SIGINT), hypercorn closes the listening sockets, lets requests in flight finish for up to
+``grace_period`` seconds and closes idle keep-alive connections; then the batcher drains
+and :func:`serve` returns.
 
-hypercorn is imported only by :func:`serve` (``pip install 'hcqa[serve]'``), so ``import
-hcqa.serve`` and :func:`make_app` (for any other ASGI server) work without it.
-:func:`mlp_pipeline` builds the two-layer demo that ``hcqa serve`` runs;
-``examples/loadtest.py`` is the loopback load generator.
+Metrics: ``GET /metrics`` is Prometheus text from a private ``CollectorRegistry`` per app
+(two apps in one process never share counters): request counts and latency histograms by
+endpoint and status, and, read at scrape time, the batch-size histogram, queue depths,
+batches in flight and each device's busy state.
+
+The app's own code awaits through anyio, not trio, so it can later run under an asyncio
+server too; the pipeline and batcher it awaits are hcqa's.
 """
 
 from __future__ import annotations
 
-import collections
 import json
+import logging
 import math
+import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
+from hcqa._serve_inputs import InputError, Shape, from_json, from_raw
+from hcqa.batcher import Batcher, open_batcher
 from hcqa.devices.base import Device
-from hcqa.errors import DeviceClosed, DeviceFault, InvalidCommand, sole_error
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, sole_error
 from hcqa.pipeline import Pipeline, Stage
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.registry import Collector
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        f"hcqa.serve needs starlette and prometheus-client: {exc.name} is "
+        "missing (pip install 'hcqa[serve]')"
+    ) from exc
 
 __all__ = ["make_app", "mlp_pipeline", "serve"]
 
-Scope = Mapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Reply = tuple[int, bytes, str, list[tuple[bytes, bytes]]]  # status, body, type, more headers
-
 JSON_TYPE = "application/json"
 RAW_TYPE = "application/octet-stream"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _OFFLOAD_BYTES = 1 << 16  # (de)serialise JSON bodies larger than this in a worker thread
 _INSTALL = "pip install 'hcqa[serve]'"
+_ENDPOINTS = ("/health", "/infer", "/metrics", "/stats")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(json.dumps(doc).encode(), status, headers, media_type=JSON_TYPE)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(status, {"error": " ".join(message.split())})
 
 
 class _Disconnected(Exception):
     """The client went away before its answer was ready: nobody to answer."""
 
 
-class _HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _spec(dtype: np.dtype[Any], shape: tuple[int, ...]) -> str:
-    return f"{dtype}{list(shape)}"
-
-
-class _App:
-    """The ASGI app (see the module docstring); one per pipeline."""
+class _State:
+    """What the endpoints share: the pipeline, the batcher, counters and metrics."""
 
     def __init__(
-        self, pipeline: Pipeline, *, max_pending: int | None, max_body: int | None
+        self,
+        pipeline: Any,
+        batcher: Batcher | None,
+        *,
+        max_pending: int | None,
+        max_body: int | None,
     ) -> None:
         self.pipeline = pipeline
+        self.batcher = batcher
         self.max_pending = max_pending
-        self.in_nbytes = math.prod(pipeline.in_shape) * pipeline.dtype.itemsize
-        self.in_spec = _spec(pipeline.dtype, pipeline.in_shape)
-        self.max_body = max_body or max(1 << 20, 32 * self.in_nbytes)
-        self.devices = list({id(s.device): s.device for s in pipeline.stages}.values())
+        self.rows = int(pipeline.in_shape[0])
+        self.shape = Shape(tuple(pipeline.in_shape[1:]), np.dtype(pipeline.dtype))
+        batch_nbytes = self.rows * self.shape.nbytes
+        self.max_body = max_body or max(1 << 20, 32 * batch_nbytes)
+        devices = [getattr(s, "device", None) for s in getattr(pipeline, "stages", ())]
+        devices.append(getattr(pipeline, "device", None))
+        self.devices: list[Device] = list(
+            {id(d): d for d in devices if isinstance(d, Device)}.values()
+        )
         self.started = time.monotonic()
         self.pending = 0  # /infer requests admitted and not yet answered
-        self.counts: collections.Counter[int] = collections.Counter()
-        self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self.latencies: list[float] = []  # successful /infer, seconds; last 4096
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "hcqa_requests",
+            "HTTP requests answered",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "hcqa_request_duration_seconds",
+            "HTTP request latency, from the first byte of the request to the response",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_ScrapeTime(self))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return  # websockets are not served
-        route = (scope["method"], scope["path"].rstrip("/") or "/")
-        try:
-            if route == ("GET", "/health"):
-                reply = self._health()
-            elif route == ("GET", "/stats"):
-                reply = _json_reply(200, self._stats())
-            elif route == ("POST", "/infer"):
-                reply = await self._infer(scope, receive)
-            elif route[1] in ("/health", "/stats", "/infer"):
-                raise _HttpError(405, f"method {route[0]} not allowed on {route[1]}")
-            else:
-                raise _HttpError(404, f"no endpoint {route[1]} (try /health, /infer, /stats)")
-        except _HttpError as exc:
-            reply = _json_reply(exc.status, {"error": " ".join(str(exc).split())})
-        except _Disconnected:
-            return
-        status, body, ctype, extra = reply
-        self.counts[status] += 1
-        headers = [(b"content-type", ctype.encode()), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": status, "headers": headers + extra})
-        await send({"type": "http.response.body", "body": body})
-
-    # -- endpoints -------------------------------------------------------------------------
-
-    def _health(self) -> Reply:
-        devices = []
+    def device_rows(self) -> list[dict[str, Any]]:
+        rows = []
         for d in self.devices:
             s = d.statistics()
-            devices.append(
+            rows.append(
                 {
                     "name": s.name,
                     "timeline": s.timeline_value,
@@ -146,159 +155,287 @@ class _App:
                     "closed": s.closed,
                 }
             )
+        return rows
+
+
+class _ScrapeTime(Collector):
+    """Metrics read from the batcher, pipeline and devices when ``/metrics`` is scraped."""
+
+    def __init__(self, state: _State) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Any]:
+        st = self.state
+        yield GaugeMetricFamily(
+            "hcqa_requests_pending",
+            "/infer requests admitted and not yet answered",
+            value=st.pending,
+        )
+        p = st.pipeline.statistics()
+        yield GaugeMetricFamily(
+            "hcqa_pipeline_in_flight", "microbatches on the pipeline now", value=p.in_flight
+        )
+        yield GaugeMetricFamily("hcqa_pipeline_depth", "microbatches allowed", value=p.depth)
+        if st.batcher is not None:
+            b = st.batcher.statistics()
+            yield GaugeMetricFamily(
+                "hcqa_batcher_queue_depth", "single samples waiting for a batch", value=b.pending
+            )
+            yield GaugeMetricFamily(
+                "hcqa_batcher_in_flight", "batches running now", value=b.in_flight
+            )
+            buckets, total = [], 0
+            edges = sorted({2**k for k in range(b.max_batch.bit_length())} | {b.max_batch})
+            for edge in edges:
+                total = sum(b.batch_sizes[:edge])
+                buckets.append((str(edge), total))
+            buckets.append(("+Inf", b.batches))
+            yield HistogramMetricFamily(
+                "hcqa_batch_size",
+                "samples per batch run by the dynamic batcher",
+                buckets=buckets,
+                sum_value=b.samples,
+            )
+            for name, q, v in (("p50", 0.5, b.queue_wait_p50), ("p99", 0.99, b.queue_wait_p99)):
+                yield GaugeMetricFamily(
+                    f"hcqa_batcher_queue_wait_{name}_seconds",
+                    f"queue wait, quantile {q}, of the last 4096 single samples",
+                    value=0.0 if math.isnan(v) else v,
+                )
+        busy = GaugeMetricFamily(
+            "hcqa_device_busy", "1 while the device has work queued or running", labels=["device"]
+        )
+        queued = GaugeMetricFamily(
+            "hcqa_device_pending_batches",
+            "command batches submitted, not completed",
+            labels=["device"],
+        )
+        healthy = GaugeMetricFamily(
+            "hcqa_device_usable", "0 once the device faulted, hung or closed", labels=["device"]
+        )
+        for d in st.device_rows():
+            busy.add_metric([d["name"]], 1.0 if d["pending"] else 0.0)
+            queued.add_metric([d["name"]], d["pending"])
+            healthy.add_metric([d["name"]], 0.0 if d["faulted"] or d["hung"] or d["closed"] else 1)
+        yield from (busy, queued, healthy)
+
+
+class _Endpoints:
+    def __init__(self, state: _State) -> None:
+        self.st = state
+
+    async def health(self, request: Request) -> Response:
+        st = self.st
+        devices = st.device_rows()
         bad = [d["name"] for d in devices if d["faulted"] or d["hung"] or d["closed"]]
-        p = self.pipeline.statistics()
+        p = st.pipeline.statistics()
         doc = {
             "status": "unavailable" if bad else "ok",
             "unavailable": bad,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "requests_pending": self.pending,
+            "uptime_s": round(time.monotonic() - st.started, 3),
+            "requests_pending": st.pending,
             "pipeline": {"depth": p.depth, "in_flight": p.in_flight, "completed": p.completed},
             "devices": devices,
         }
-        return _json_reply(503 if bad else 200, doc)
+        return _json(503 if bad else 200, doc)
 
-    def _stats(self) -> dict[str, Any]:
-        lat = sorted(self.latencies)
+    async def stats(self, request: Request) -> Response:
+        st = self.st
+        lat = sorted(st.latencies)
         p50 = p99 = None  # nearest-rank percentiles in ms (numpy's "inverted_cdf")
         if lat:
             p50, p99 = (np.percentile(lat, [50, 99], method="inverted_cdf") * 1e3).tolist()
-        p = self.pipeline
-        return {
-            "input": {"shape": list(p.in_shape), "dtype": str(p.dtype)},
-            "output": {"shape": list(p.out_shape), "dtype": str(p.out_dtype)},
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "requests_pending": self.pending,
-            "responses": {str(k): v for k, v in sorted(self.counts.items())},
+        p = st.pipeline
+        doc = {
+            "input": {"shape": list(st.shape.sample_shape), "dtype": str(st.shape.dtype)},
+            "batch_input": {"shape": list(p.in_shape), "dtype": str(st.shape.dtype)},
+            "uptime_s": round(time.monotonic() - st.started, 3),
+            "requests_pending": st.pending,
             "infer_ms": {
                 "count": len(lat),
                 "p50": p50,
                 "p99": p99,
                 "max": lat[-1] * 1e3 if lat else None,
             },
-            "pipeline": attrs.asdict(self.pipeline.statistics()),
-            "devices": [attrs.asdict(d.statistics()) for d in self.devices],
+            "batcher": None if st.batcher is None else _plain(st.batcher.statistics()),
+            "pipeline": _plain(p.statistics()),
+            "devices": [_plain(d.statistics()) for d in st.devices],
         }
+        return _json(200, doc)
 
-    async def _infer(self, scope: Scope, receive: Receive) -> Reply:
-        if self.max_pending is not None and self.pending >= self.max_pending:
-            raise _HttpError(503, f"too many requests waiting (limit {self.max_pending})")
-        self.pending += 1
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.st.registry), media_type=METRICS_TYPE)
+
+    async def infer(self, request: Request) -> Response:
+        st = self.st
+        if st.max_pending is not None and st.pending >= st.max_pending:
+            return _error(503, f"too many requests waiting (limit {st.max_pending})")
+        st.pending += 1
         t0 = time.perf_counter()
         try:
-            ctype = _content_type(scope)
-            if ctype not in (JSON_TYPE, RAW_TYPE):
-                raise _HttpError(
-                    415, f"Content-Type must be {JSON_TYPE} or {RAW_TYPE} (got {ctype or 'none'})"
-                )
-            body = await self._read_body(receive)
-            big = len(body) > _OFFLOAD_BYTES
-            if ctype == RAW_TYPE:
-                x = self._from_raw(body)
-            elif big:
-                x = await trio.to_thread.run_sync(self._from_json, body)
-            else:
-                x = self._from_json(body)
-            try:
-                y = await self._run(x, receive)
-            except InvalidCommand as exc:
-                raise _HttpError(400, str(exc)) from exc
-            except DeviceFault as exc:
-                raise _HttpError(500, f"DeviceFault: {exc}") from exc
-            except DeviceClosed as exc:
-                raise _HttpError(503, f"DeviceClosed: {exc}") from exc
-            extra: list[tuple[bytes, bytes]] = []
-            if ctype == JSON_TYPE:
-                out = await trio.to_thread.run_sync(_to_json, y) if big else _to_json(y)
-            else:
-                out = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
-                shape = ",".join(map(str, y.shape)).encode()
-                extra = [(b"x-hcqa-shape", shape), (b"x-hcqa-dtype", str(y.dtype).encode())]
-            self.latencies.append(time.perf_counter() - t0)
-            return 200, out, ctype, extra
+            response = await self._infer(request)
+        except InputError as exc:
+            return _error(exc.status, str(exc))
         finally:
-            self.pending -= 1
+            st.pending -= 1
+        if response.status_code == 200:
+            st.latencies.append(time.perf_counter() - t0)
+            if len(st.latencies) > 8192:
+                del st.latencies[:4096]
+        return response
 
-    async def _run(self, x: npt.NDArray[Any], receive: Receive) -> npt.NDArray[Any]:
-        """``await pipeline(x)``, cancelled if the client disconnects meanwhile."""
-        y: npt.NDArray[Any] | None = None
-        error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                y = await self.pipeline(x)
-            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
-                error = exc
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-        if y is None:
-            raise _Disconnected
-        return y
+    async def _infer(self, request: Request) -> Response:
+        st = self.st
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in (JSON_TYPE, RAW_TYPE):
+            return _error(
+                415, f"Content-Type must be {JSON_TYPE} or {RAW_TYPE} (got {ctype or 'none'})"
+            )
+        body = await self._body(request)
+        big = len(body) > _OFFLOAD_BYTES
+        if ctype == RAW_TYPE:
+            x, single = from_raw(body, st.shape)
+        elif big:
+            x, single = await anyio.to_thread.run_sync(from_json, body, st.shape)
+        else:
+            x, single = from_json(body, st.shape)
+        try:
+            y = await self._cancel_on_disconnect(request, self._run, x, single)
+        except _Disconnected:
+            return Response(status_code=499)  # nobody reads it
+        except (InvalidCommand, TypeError) as exc:
+            return _error(400, str(exc))
+        except DeviceFault as exc:
+            return _error(500, f"DeviceFault: {exc}")
+        except (DeviceClosed, HcqaError) as exc:
+            return _error(503, f"{type(exc).__name__}: {exc}")
+        if ctype == JSON_TYPE:
+            out = await anyio.to_thread.run_sync(_to_json, y) if big else _to_json(y)
+            return Response(out, media_type=JSON_TYPE)
+        shape = ",".join(map(str, y.shape))
+        headers = {"x-hcqa-shape": shape, "x-hcqa-dtype": str(y.dtype)}
+        data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
+        return Response(data, headers=headers, media_type=RAW_TYPE)
 
-    # -- decoding ------------------------------------------------------------------------
-
-    async def _read_body(self, receive: Receive) -> bytes:
+    async def _body(self, request: Request) -> bytes:
+        limit = self.st.max_body
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise InputError(413, f"body larger than {limit} bytes (got {int(declared)} bytes)")
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Disconnected
-            chunk = message.get("body", b"")
+        async for chunk in request.stream():
             size += len(chunk)
-            if size > self.max_body:
-                raise _HttpError(413, f"body larger than {self.max_body} bytes")
+            if size > limit:
+                raise InputError(413, f"body larger than {limit} bytes")
             chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        return b"".join(chunks)
 
-    def _from_raw(self, body: bytes) -> npt.NDArray[Any]:
-        p = self.pipeline
-        if len(body) != self.in_nbytes:
-            raise _HttpError(
-                400,
-                f"expected {self.in_nbytes} bytes of little-endian {self.in_spec} "
-                f"(got {len(body)} bytes)",
-            )
-        x = np.frombuffer(body, dtype=p.dtype.newbyteorder("<")).reshape(p.in_shape)
-        return x.astype(p.dtype)  # native byte order, writable, owned
+    async def _cancel_on_disconnect(
+        self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
+    ) -> npt.NDArray[Any]:
+        """``await fn(*args)``, cancelled if the client disconnects meanwhile."""
+        result: list[npt.NDArray[Any]] = []
+        error: list[BaseException] = []
 
-    def _from_json(self, body: bytes) -> npt.NDArray[Any]:
-        p = self.pipeline
-        want = self.in_spec
+        async def watch(scope: anyio.CancelScope) -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                result.append(await fn(*args))
+            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+                error.append(exc)
+            tg.cancel_scope.cancel()
+        if error:
+            raise error[0]
+        if not result:
+            raise _Disconnected
+        return result[0]
+
+    async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]:
+        st = self.st
+        if single and st.batcher is not None:
+            return await st.batcher(x)
+        rows = x[None] if single else x
+        chunks = [rows[i : i + st.rows] for i in range(0, len(rows), st.rows)]
+        outs: list[npt.NDArray[Any] | None] = [None] * len(chunks)
+
+        async def one(i: int) -> None:
+            chunk = chunks[i]
+            if len(chunk) < st.rows:
+                padded = np.zeros((st.rows, *st.shape.sample_shape), st.shape.dtype)
+                padded[: len(chunk)] = chunk
+                chunk = padded
+            outs[i] = np.asarray(await st.pipeline(chunk))[: len(chunks[i])]
+
+        if len(chunks) == 1:
+            await one(0)
+        else:
+            errors: list[Exception] = []
+
+            async def guarded(i: int, scope: anyio.CancelScope) -> None:
+                try:
+                    await one(i)
+                except Exception as exc:
+                    errors.append(exc)
+                    scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(chunks)):
+                    tg.start_soon(guarded, i, tg.cancel_scope)
+            if errors:
+                raise errors[0]
+        y = np.concatenate([o for o in outs if o is not None]) if len(outs) > 1 else outs[0]
+        assert y is not None
+        return y[0] if single else y
+
+
+class _Measured:
+    """ASGI middleware: counts and times every HTTP request by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, state: _State) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        path = scope["path"].rstrip("/") or "/"
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = [500]
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
         try:
-            doc = json.loads(body)
-        except ValueError as exc:
-            raise _HttpError(400, f"body is not JSON ({exc})") from exc
-        if not isinstance(doc, dict) or "inputs" not in doc:
-            raise _HttpError(400, f'expected {{"inputs": {want}}} (got no "inputs" key)')
-        try:
-            x = np.asarray(doc["inputs"])
-        except ValueError:
-            raise _HttpError(400, f"expected inputs {want} (got a ragged nested list)") from None
-        if x.dtype.kind not in "biuf" or not np.can_cast(x.dtype, p.dtype, "same_kind"):
-            raise _HttpError(400, f"expected inputs {want} (got {x.dtype} values)")
-        if x.shape != p.in_shape:
-            raise _HttpError(400, f"expected inputs {want} (got shape {list(x.shape)})")
-        return x.astype(p.dtype)
+            await self.app(scope, receive, send_status)
+        finally:
+            if status[0] != 499:
+                self.state.requests.labels(endpoint, str(status[0])).inc()
+                self.state.latency.labels(endpoint).observe(time.perf_counter() - t0)
 
 
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+def _plain(stats: Any) -> Any:
+    """``stats`` as JSON-ready data: NaN (no data yet) becomes null."""
 
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        return v if isinstance(v, int | float | str | bool | None) else str(v)
 
-def _content_type(scope: Scope) -> str:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-type":
-            return str(value.decode("latin-1").split(";")[0].strip().lower())
-    return ""
-
-
-def _json_reply(status: int, doc: Any) -> Reply:
-    return status, json.dumps(doc).encode(), JSON_TYPE, []
+    return clean(attrs.asdict(stats))
 
 
 def _to_json(y: npt.NDArray[Any]) -> bytes:
@@ -306,70 +443,151 @@ def _to_json(y: npt.NDArray[Any]) -> bytes:
     return json.dumps(doc).encode()
 
 
-def make_app(
-    pipeline: Pipeline, *, max_pending: int | None = None, max_body: int | None = None
-) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """An ASGI app serving ``pipeline`` (see the module docstring for the endpoints).
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if exc.status_code == 404:
+        return _error(404, f"no endpoint {path} (try {', '.join(_ENDPOINTS)})")
+    if exc.status_code == 405:
+        return _error(405, f"method {request.method} not allowed on {path}")
+    return _error(exc.status_code, str(exc.detail))
 
-    ``max_pending``: answer ``503`` to an ``/infer`` request when that many are already
-    admitted (None: no limit; the pipeline's ``depth`` is still all that runs at once).
-    ``max_body``: the largest request body accepted (default: 32 times the raw input size,
-    at least 1 MiB, enough for the input as JSON text).
+
+def make_app(
+    pipeline: Any,
+    *,
+    batcher: Batcher | None = None,
+    max_pending: int | None = None,
+    max_body: int | None = None,
+) -> ASGIApp:
+    """An ASGI app serving ``pipeline`` (a ``Pipeline`` or ``ProcessPipeline``).
+
+    ``batcher``: single samples go through it (see :func:`hcqa.open_batcher`); without one
+    each runs alone. ``max_pending``: answer ``503`` to an ``/infer`` request when that many
+    are already admitted (None: no limit). ``max_body``: the largest request body accepted
+    (default: 32 times the raw size of one pipeline batch, at least 1 MiB).
     """
-    if not isinstance(pipeline, Pipeline):
-        raise TypeError(f"make_app needs a hcqa.Pipeline (got {type(pipeline).__name__})")
-    if max_pending is not None and max_pending < 1:
+    if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
+        raise TypeError(
+            f"make_app needs a hcqa.Pipeline or ProcessPipeline (got {type(pipeline).__name__})"
+        )
+    if len(pipeline.in_shape) < 1:
+        raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
+    if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
         raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
-    return _App(pipeline, max_pending=max_pending, max_body=max_body)
+    state = _State(pipeline, batcher, max_pending=max_pending, max_body=max_body)
+    ep = _Endpoints(state)
+    routes = [
+        Route("/health", ep.health, methods=["GET"]),
+        Route("/stats", ep.stats, methods=["GET"]),
+        Route("/metrics", ep.metrics, methods=["GET"]),
+        Route("/infer", ep.infer, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.hcqa = state
+    return _Measured(app, state)
 
 
 async def serve(
-    pipeline: Pipeline,
+    pipeline: Any,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    max_batch: int | None = None,
+    max_wait: float = 0.002,
     max_pending: int | None = None,
+    grace_period: float = 10.0,
+    access_log: str | None = None,
     log_level: str = "WARNING",
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     hypercorn_options: Mapping[str, Any] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled.
+    """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled or drained.
 
-    Runs hypercorn's trio worker in the current trio run. ``port=0`` picks a free port;
-    ``await nursery.start(partial(serve, pipe, port=0))`` returns the bound port. A single
-    error (``OSError`` for a port in use, ``KeyboardInterrupt``) is raised unwrapped.
-    ``hypercorn_options`` sets more attributes of hypercorn's ``Config`` (``certfile``,
-    ``keep_alive_timeout``, ``keep_alive_max_requests``, ...).
+    Single samples are batched (:func:`hcqa.open_batcher`, ``max_batch`` -- default the
+    pipeline's batch dimension -- and ``max_wait``); ``max_batch=1`` turns batching off.
+    ``port=0`` picks a free port; ``await nursery.start(partial(serve, pipe, port=0))``
+    returns the bound port. When ``shutdown_trigger()`` returns, the server drains: it stops
+    accepting, gives requests in flight ``grace_period`` seconds, and returns.
+    ``access_log``: ``"-"`` for stdout, a file path, or None. A single startup error
+    (``OSError`` for a port in use) is raised unwrapped. ``hypercorn_options`` sets more
+    attributes of hypercorn's ``Config`` (``certfile``, ``keep_alive_timeout``, ...).
     """
     try:
         from hypercorn.config import Config
         from hypercorn.trio import serve as hypercorn_serve
     except ImportError as exc:
         raise ImportError(f"hcqa.serve needs hypercorn: {_INSTALL}") from exc
-    app: Any = make_app(pipeline, max_pending=max_pending)
+    if not (isinstance(grace_period, int | float) and 0 <= grace_period < math.inf):
+        raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.loglevel = log_level
-    config.graceful_timeout = 1.0
+    config.graceful_timeout = float(grace_period)
+    if access_log is not None:
+        config.accesslog = _access_logger(access_log)
+        config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     for key, value in (hypercorn_options or {}).items():
         if not hasattr(config, key):
             raise TypeError(f"hypercorn's Config has no option {key!r}")
         setattr(config, key, value)
     try:
-        async with trio.open_nursery() as nursery:
-            binds: list[str] = await nursery.start(hypercorn_serve, app, config)
-            task_status.started(int(binds[0].rsplit(":", 1)[1]))
+        async with _maybe_batcher(pipeline, max_batch, max_wait) as batcher:
+            app: Any = make_app(pipeline, batcher=batcher, max_pending=max_pending)
+            async with trio.open_nursery() as nursery:
+                start = hypercorn_serve
+                binds: list[str] = await nursery.start(
+                    lambda task_status: start(
+                        app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+                    )
+                )
+                task_status.started(int(binds[0].rsplit(":", 1)[1]))
     except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
         raise sole_error(group) from None
 
 
+def _access_logger(target: str) -> logging.Logger:
+    """A logger writing one line per request to stdout (``"-"``) or a file."""
+    logger = logging.getLogger(f"hcqa.serve.access.{target}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        handler: logging.Handler = (
+            logging.StreamHandler(sys.stdout) if target == "-" else logging.FileHandler(target)
+        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+@asynccontextmanager
+async def _maybe_batcher(
+    pipeline: Any, max_batch: int | None, max_wait: float
+) -> AsyncIterator[Batcher | None]:
+    if max_batch == 1:
+        yield None
+        return
+    async with open_batcher(pipeline, max_batch=max_batch, max_wait=max_wait) as batcher:
+        yield batcher
+
+
 async def mlp_pipeline(
-    d0: Device, d1: Device, *, batch: int = 32, width: int = 256, depth: int = 2, seed: int = 0
+    d0: Device,
+    d1: Device,
+    *,
+    batch: int = 32,
+    width: int = 256,
+    depth: int = 2,
+    seed: int = 0,
+    sleep: float = 0.0,
 ) -> Pipeline:
     """A two-layer MLP with random weights: ``relu(x @ w1)`` on ``d0``, ``@ w2`` on ``d1``.
 
     Input and output are ``float32[batch, width]``; each layer is ``2 * batch * width**2``
-    flops, so ``width`` sets how long a microbatch keeps each device busy.
+    flops, so ``width`` sets how long a microbatch keeps each device busy. ``sleep`` adds
+    that many seconds to each layer's kernel without using the host CPU (GIL released), as
+    an accelerator's kernel looks from the host.
     """
     rng = np.random.default_rng(seed)
     scale = np.float32(1 / math.sqrt(width))
@@ -379,10 +597,14 @@ async def mlp_pipeline(
         await buf.copyin(rng.standard_normal((width, width), dtype=np.float32) * scale)
 
     def dense_relu(out: npt.NDArray[Any], x: npt.NDArray[Any], w: npt.NDArray[Any]) -> None:
+        if sleep:
+            time.sleep(sleep)
         np.matmul(x, w, out=out)
         np.maximum(out, 0, out=out)
 
     def dense(out: npt.NDArray[Any], x: npt.NDArray[Any], w: npt.NDArray[Any]) -> None:
+        if sleep:
+            time.sleep(sleep)
         np.matmul(x, w, out=out)
 
     stages = [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -41,6 +44,7 @@ Client = loadtest.Client
 
 IN_SHAPE = (4, 3)
 RAW = "application/octet-stream"
+JSON = "application/json"
 
 
 def double(out: np.ndarray, x: np.ndarray) -> None:
@@ -85,8 +89,10 @@ async def test_health_and_stats() -> None:
         assert [d["name"] for d in doc["devices"]] == ["cpu:0", "cpu:1"]
         assert doc["pipeline"] == {"depth": 2, "in_flight": 0, "completed": 0}
         stats = (await c.request("GET", "/stats")).json()
-        assert stats["input"] == {"shape": [4, 3], "dtype": "float32"}
-        assert stats["output"] == {"shape": [4], "dtype": "float32"}
+        assert stats["input"] == {"shape": [3], "dtype": "float32"}
+        assert stats["batch_input"] == {"shape": [4, 3], "dtype": "float32"}
+        assert stats["batcher"]["max_batch"] == 4
+        assert stats["batcher"]["mean_batch"] is None  # no batch yet (NaN is not JSON)
         assert len(stats["devices"]) == 2
 
 
@@ -120,22 +126,42 @@ async def test_infer_json_and_raw_round_trips() -> None:
         assert r.json()["outputs"] == [12.0, 0.0, 6.0, 12.0]
 
 
+NESTED = b"[" * 4000 + b"]" * 4000
+WANT = "one sample float32[3] or a batch float32[n, 3]"
+
+
 @pytest.mark.parametrize(
     ("body", "content_type", "status", "words"),
     [
-        (
-            b'{"inputs": [[1, 2, 3], [4, 5, 6]]}',
-            "application/json",
-            400,
-            ["float32[4, 3]", "[2, 3]"],
-        ),
-        (b'{"inputs": [[1, 2], [3]]}', "application/json", 400, ["float32[4, 3]", "ragged"]),
-        (b'{"inputs": [["a", "b", "c"]]}', "application/json", 400, ["float32[4, 3]", "<U1"]),
-        (b'{"x": 1}', "application/json", 400, ['"inputs"']),
-        (b"not json", "application/json", 400, ["not JSON"]),
-        (b"\0" * 10, RAW, 400, ["48 bytes", "float32[4, 3]", "got 10 bytes"]),
+        (b'{"inputs": [[1, 2], [4, 5]]}', JSON, 400, [WANT, "got shape [2, 2]"]),
+        (b'{"inputs": [1, 2]}', JSON, 400, [WANT, "got shape [2]"]),
+        (b'{"inputs": [[[1, 2, 3]]]}', JSON, 400, [WANT, "nested more than 2 deep"]),
+        (b'{"inputs": [[1, 2, 3], [3]]}', JSON, 400, ["same length", "got 1 at inputs[1]"]),
+        (b'{"inputs": [[1, 2, 3], 4]}', JSON, 400, [WANT, "got a number at inputs[1]"]),
+        (b'{"inputs": ["a", "b", "c"]}', JSON, 400, ["numbers", "got a string at inputs[0]"]),
+        (b'{"inputs": [1, true, 3]}', JSON, 400, ["numbers", "got a boolean at inputs[1]"]),
+        (b'{"inputs": [[1, 2, 3], [1, 2, false]]}', JSON, 400, ["boolean at inputs[1][2]"]),
+        (b'{"inputs": [1, {"a": 1}, 3]}', JSON, 400, ["got an object at inputs[1]"]),
+        (b'{"inputs": [1, null, 3]}', JSON, 400, ["got null at inputs[1]"]),
+        (b'{"inputs": true}', JSON, 400, [WANT, "got a boolean"]),
+        (b'{"inputs": "1,2,3"}', JSON, 400, [WANT, "got a string"]),
+        (b'{"inputs": {"x": [1, 2, 3]}}', JSON, 400, [WANT, "got an object"]),
+        (b'{"inputs": []}', JSON, 400, [WANT, "got shape [0]"]),
+        (b'{"inputs": [1, NaN, 3]}', JSON, 400, ["finite numbers", "got NaN"]),
+        (b'{"inputs": [1, 1e999999, 3]}', JSON, 200, []),  # inf is a float32
+        (b'{"inputs": [1, 10' + b"0" * 400 + b", 3]}", JSON, 400, ["fit in float32"]),
+        (b"[[1, 2, 3]]", JSON, 400, ['{"inputs": ...}', "got a list"]),
+        (b'"inputs"', JSON, 400, ['{"inputs": ...}', "got a string"]),
+        (b'{"x": 1}', JSON, 400, ['"inputs" key', "got 'x'"]),
+        (b"not json", JSON, 400, ["not JSON"]),
+        (b"\xff\xfe{}", JSON, 400, ["not JSON", "UTF-8"]),
+        (b"", JSON, 400, ["not JSON"]),
+        (NESTED, JSON, 400, ["nested too deeply"]),
+        (b'{"inputs": ' + NESTED + b"}", JSON, 400, ["nested"]),
+        (b"\0" * 10, RAW, 400, ["multiple of 12 bytes", WANT, "got 10 bytes"]),
+        (b"", RAW, 400, ["multiple of 12 bytes", "got 0 bytes"]),
         (b"1,2,3", "text/csv", 415, ["application/octet-stream", "text/csv"]),
-        (b"\0" * ((1 << 20) + 1), RAW, 413, ["larger than 1048576 bytes"]),
+        (b"\0" * ((1 << 20) + 12), RAW, 413, ["larger than 1048576 bytes"]),
     ],
 )
 async def test_bad_input_is_a_one_line_error(
@@ -143,14 +169,16 @@ async def test_bad_input_is_a_one_line_error(
 ) -> None:
     async with server() as (port, pipe), await Client.connect("127.0.0.1", port) as c:
         r = await c.request("POST", "/infer", body, content_type)
-        assert r.status == status
+        assert r.status == status, r.body
         assert r.body.count(b"\n") == 0
-        message = r.json()["error"]
-        for word in words:
-            assert word in message
+        if status != 200:
+            message = r.json()["error"]
+            for word in words:
+                assert word in message, message
+        before = pipe.statistics().completed
         # the server and the pipeline are unharmed
         assert (await c.request("POST", "/infer", sample(1).tobytes(), RAW)).status == 200
-        assert pipe.statistics().completed == 1
+        assert pipe.statistics().completed == before + 1
 
 
 async def test_client_reconnects_when_the_server_closes_a_connection() -> None:
@@ -351,8 +379,248 @@ def test_cli_serve_reports_a_busy_port_in_one_line(capsys: pytest.CaptureFixture
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        rc = main(["serve", "--port", str(busy.getsockname()[1]), "--width", "8", "--batch", "2"])
+        port = str(busy.getsockname()[1])
+        rc = main(["serve", "--port", port, "--width", "8", "--max-batch", "2"])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1
     assert "Address already in use" in err
+
+
+def slow_double_10ms(out: np.ndarray, x: np.ndarray) -> None:
+    time.sleep(0.01)  # busy devices: single samples pile up behind a running batch
+    np.multiply(x, 2, out=out)
+
+
+async def test_64_concurrent_single_sample_clients_each_get_their_own_row() -> None:
+    async with server(slow_double_10ms, max_wait=0.005) as (port, pipe):
+        got: dict[int, Any] = {}
+        failures: list[str] = []
+
+        async def one_client(k: int) -> None:
+            async with await Client.connect("127.0.0.1", port) as c:
+                for i in range(2):
+                    key = 100 * k + i
+                    x = sample(key)[0]  # one sample: float32[3]
+                    if (k + i) % 2:
+                        r = await c.request("POST", "/infer", x.tobytes(), RAW)
+                        y = np.frombuffer(r.body, "<f4") if r.status == 200 else None
+                    else:
+                        r = await c.request("POST", "/infer", json.dumps({"inputs": x.tolist()}))
+                        y = np.float32(r.json()["outputs"]) if r.status == 200 else None
+                    if y is None:
+                        failures.append(f"{key}: {r.status} {r.body[:80]!r}")
+                    got[key] = y
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for k in range(64):
+                    nursery.start_soon(one_client, k)
+        async with await Client.connect("127.0.0.1", port) as c:
+            stats = (await c.request("GET", "/stats")).json()["batcher"]
+    assert failures == []
+    assert len(got) == 128
+    for key, y in got.items():
+        want = (sample(key)[0] * 2).sum(dtype=np.float32)
+        assert y is not None and y.size == 1 and y.reshape(()) == want, (key, y, want)
+    assert stats["samples"] == 128
+    assert stats["mean_batch"] > 2  # batches really formed (max 4 rows)
+    assert pipe.statistics().completed == stats["batches"]
+
+
+async def test_without_a_batcher_single_samples_run_alone() -> None:
+    async with server(max_batch=1) as (port, pipe), await Client.connect("127.0.0.1", port) as c:
+        x = sample(7)
+        for row in x:
+            r = await c.request("POST", "/infer", json.dumps({"inputs": row.tolist()}).encode())
+            assert r.status == 200
+            assert r.json()["shape"] == []
+            assert np.float32(r.json()["outputs"]) == (row * 2).sum(dtype=np.float32)
+        assert (await c.request("GET", "/stats")).json()["batcher"] is None
+        assert pipe.statistics().completed == 4
+        # a batch of 6 rows runs as two pipeline batches, the last one padded
+        six = np.concatenate([x, x[:2]])
+        r = await c.request("POST", "/infer", six.tobytes(), RAW)
+        assert r.headers["x-hcqa-shape"] == "6"
+        np.testing.assert_array_equal(np.frombuffer(r.body, "<f4"), (six * 2).sum(axis=1))
+        assert pipe.statistics().completed == 6
+
+
+async def test_metrics_parse_as_prometheus_text() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with server(slow_double_10ms) as (port, _), await Client.connect("127.0.0.1", port) as c:
+        async with trio.open_nursery() as nursery:
+            for k in range(6):
+                nursery.start_soon(
+                    partial(c.__class__.request, Client("127.0.0.1", port)),
+                    "POST",
+                    "/infer",
+                    sample(k)[0].tobytes(),
+                    RAW,
+                )
+        assert (await c.request("GET", "/nowhere")).status == 404
+        stats = (await c.request("GET", "/stats")).json()["batcher"]
+        r = await c.request("GET", "/metrics")
+    assert r.status == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(r.body.decode())}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
+    assert families["hcqa_requests"].type == "counter"
+    infer_ok = (("endpoint", "/infer"), ("status", "200"))
+    assert samples[("hcqa_requests_total", infer_ok)] == 6
+    assert samples[("hcqa_requests_total", (("endpoint", "other"), ("status", "404")))] == 1
+    assert families["hcqa_request_duration_seconds"].type == "histogram"
+    assert samples[("hcqa_request_duration_seconds_count", (("endpoint", "/infer"),))] == 6
+    sizes = families["hcqa_batch_size"]
+    assert sizes.type == "histogram"
+    assert samples[("hcqa_batch_size_count", ())] == stats["batches"]
+    assert samples[("hcqa_batch_size_sum", ())] == 6
+    assert samples[("hcqa_batch_size_bucket", (("le", "+Inf"),))] == stats["batches"]
+    assert samples[("hcqa_batch_size_bucket", (("le", "1"),))] == stats["batch_sizes"][0]
+    assert samples[("hcqa_batcher_queue_depth", ())] == 0
+    assert samples[("hcqa_requests_pending", ())] == 0
+    busy = {s.labels["device"]: s.value for s in families["hcqa_device_busy"].samples}
+    assert busy == {"cpu:0": 0.0, "cpu:1": 0.0}
+    assert {s.labels["device"] for s in families["hcqa_device_usable"].samples} == {
+        "cpu:0",
+        "cpu:1",
+    }
+
+
+async def test_each_app_has_its_own_metrics_registry() -> None:
+    import httpx
+
+    async with hcqa.open_device("cpu:0") as d:
+        pipe = hcqa.Pipeline([(d, double)], in_shape=(2, 3))
+        apps = [make_app(pipe), make_app(pipe)]
+        transports = [httpx.ASGITransport(app=a) for a in apps]  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transports[0], base_url="http://a") as a:
+            async with httpx.AsyncClient(transport=transports[1], base_url="http://b") as b:
+                headers = {"content-type": RAW}
+                for _ in range(3):
+                    r = await a.post("/infer", content=sample(0)[:2].tobytes(), headers=headers)
+                    assert r.status_code == 200
+                text_a = (await a.get("/metrics")).text
+                text_b = (await b.get("/metrics")).text
+    line = 'hcqa_requests_total{endpoint="/infer",status="200"} 3.0'
+    assert line in text_a
+    assert "hcqa_requests_total{" not in text_b.replace('endpoint="/metrics"', "")
+
+
+def test_cli_serve_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from hcqa.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for option, default in [
+        ("--max-batch", "32"),
+        ("--max-wait", "0.002"),
+        ("--max-pending", "256"),
+        ("--grace-period", "10.0"),
+        ("--port", "8000"),
+    ]:
+        assert option in out
+        assert f"(default: {default})" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--port", "99999"], "0..65535 (got 99999)"),
+        (["--port", "-1"], ">= 0 (got -1)"),
+        (["--max-batch", "0"], ">= 1 (got 0)"),
+        (["--max-wait", "nan"], "finite number >= 0 (got nan)"),
+        (["--max-wait", "-0.5"], "(got -0.5)"),
+        (["--max-pending", "x"], "integer (got 'x')"),
+        (["--grace-period", "inf"], "(got inf)"),
+    ],
+)
+def test_cli_serve_checks_arguments_before_opening_devices(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hcqa.cli import main
+
+    def no_devices(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("devices opened before the arguments were checked")
+
+    monkeypatch.setattr(hcqa, "open_devices", no_devices)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert words in err
+
+
+def mlp_reference(x: np.ndarray, width: int) -> np.ndarray:
+    """What ``hcqa serve``'s demo MLP (random weights from seed 0) computes."""
+    rng = np.random.default_rng(0)
+    scale = np.float32(1 / np.sqrt(width))
+    w1, w2 = (rng.standard_normal((width, width), dtype=np.float32) * scale for _ in range(2))
+    return np.maximum(x @ w1, 0) @ w2
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_cli_serve_drains_requests_in_flight_on_a_signal(signum: int) -> None:
+    argv = [sys.executable, "-m", "hcqa.cli", "serve", "--port", "0", "--width", "8"]
+    argv += ["--max-batch", "4", "--sleep-ms", "150", "--access-log", "-"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        with trio.fail_after(30):
+            first = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
+            match = re.search(r"http://127\.0\.0\.1:(\d+)", first)
+            assert match, first
+            port = int(match.group(1))
+            rng = np.random.default_rng(5)
+            inputs = [rng.standard_normal(8).astype(np.float32) for _ in range(5)]
+            inputs.append(rng.standard_normal((3, 8)).astype(np.float32))  # one batch
+            answers: dict[int, tuple[int, np.ndarray | None]] = {}
+
+            async def infer(k: int) -> None:
+                async with await Client.connect("127.0.0.1", port) as c:
+                    r = await c.request("POST", "/infer", inputs[k].tobytes(), RAW)
+                    y = np.frombuffer(r.body, "<f4") if r.status == 200 else None
+                    answers[k] = (r.status, y)
+
+            async with trio.open_nursery() as nursery:
+                for k in range(len(inputs)):
+                    nursery.start_soon(infer, k)
+                async with await Client.connect("127.0.0.1", port) as c:
+                    while (await c.request("GET", "/health")).json()["requests_pending"] < 6:
+                        await trio.sleep(0.01)  # a real process: poll its state
+                proc.send_signal(signum)  # all six in flight (kernels sleep 150 ms per stage)
+                refused = False
+                while len(answers) < 6 and not refused:
+                    try:
+                        async with await Client.connect("127.0.0.1", port) as c:
+                            await c.request("GET", "/health")
+                    except httpx.ConnectError:
+                        refused = True  # no longer accepting
+                    else:
+                        await trio.sleep(0.01)
+            rc = await trio.to_thread.run_sync(proc.wait)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = proc.communicate()
+    assert rc == 0, err
+    assert refused
+    assert sorted(answers) == list(range(6))
+    for k, (status, y) in answers.items():
+        assert status == 200
+        assert y is not None
+        np.testing.assert_allclose(
+            y.reshape(inputs[k].shape), mlp_reference(inputs[k], 8), rtol=1e-5, atol=1e-6
+        )
+    assert "draining" in err and "drained" in err
+    assert out.count('"POST /infer 1.1" 200') == 6  # the access log

@@ -1,0 +1,160 @@
+"""Request bodies to arrays for ``hcqa.serve``: plain-language errors, never a 500.
+
+Theory of operation
+-------------------
+A body is either raw little-endian bytes or JSON ``{"inputs": ...}``. Raw bytes are one
+sample when they are exactly one sample's size, else a batch of ``n`` samples when they
+are a multiple of it. JSON is parsed by ``json.loads`` (which refuses ``NaN`` /
+``Infinity`` here, and whose nesting limit is caught), then :func:`_check_nesting` walks
+the nested lists without recursion to check the shape -- one sample (``sample_shape``) or
+a batch (``[n, *sample_shape]``) -- and the type of every number: booleans, strings,
+objects and nulls are refused by name and position before numpy sees them (numpy would
+turn ``True`` into ``1`` and ``"1"`` into a string array). Only then is the array made.
+
+Every refusal is an :class:`InputError` with an HTTP status (400 or 413) and a message
+saying what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["InputError", "Shape", "from_json", "from_raw"]
+
+
+class InputError(Exception):
+    """A request body that can't be used: ``status`` (400 or 413) and a one-line message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Shape:
+    """What a sample is: its shape and dtype, and the text that names it in messages."""
+
+    def __init__(self, sample_shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.sample_shape = sample_shape
+        self.dtype = dtype
+        self.nbytes = math.prod(sample_shape) * dtype.itemsize
+        self.one = f"{dtype}{list(sample_shape)}"
+        self.many = f"{dtype}{['n', *sample_shape]}".replace("'n'", "n")
+        self.expected = f"one sample {self.one} or a batch {self.many}"
+
+
+def from_raw(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
+    """(array, single): one sample if ``body`` is one sample's size, else a batch."""
+    if not body or len(body) % shape.nbytes:
+        raise InputError(
+            400,
+            f"expected raw little-endian {shape.expected}: a multiple of {shape.nbytes} bytes "
+            f"(got {len(body)} bytes)",
+        )
+    n = len(body) // shape.nbytes
+    x = np.frombuffer(body, dtype=shape.dtype.newbyteorder("<"))
+    x = x.astype(shape.dtype)  # native byte order, writable, owned
+    if n == 1:
+        return x.reshape(shape.sample_shape), True
+    return x.reshape((n, *shape.sample_shape)), False
+
+
+def _refuse_constant(name: str) -> float:
+    raise InputError(400, f"inputs must be finite numbers (got {name})")
+
+
+def from_json(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
+    """(array, single) from ``{"inputs": ...}``; :class:`InputError` for anything else."""
+    try:
+        doc = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise InputError(400, "body is JSON nested too deeply to be inputs") from None
+    except UnicodeDecodeError:
+        raise InputError(400, "body is not JSON (not UTF-8 text)") from None
+    except ValueError as exc:
+        raise InputError(400, f"body is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise InputError(
+            400, f'expected a JSON object {{"inputs": ...}} (got {_kind(doc, plural=False)})'
+        )
+    if "inputs" not in doc:
+        keys = ", ".join(repr(k) for k in list(doc)[:5]) or "no keys"
+        raise InputError(400, f'expected a JSON object with an "inputs" key (got {keys})')
+    inputs = doc["inputs"]
+    depth = len(shape.sample_shape)
+    dims = _check_nesting(inputs, shape, depth)
+    single = len(dims) == depth
+    try:
+        x = np.array(inputs, dtype=shape.dtype)
+    except (OverflowError, ValueError) as exc:
+        raise InputError(
+            400, f"inputs must fit in {shape.dtype} (got one that does not: {exc})"
+        ) from None
+    if x.shape != (shape.sample_shape if single else (dims[0], *shape.sample_shape)):
+        raise InputError(400, f"expected {shape.expected} (got shape {list(x.shape)})")
+    return x, single
+
+
+def _kind(value: Any, *, plural: bool = True) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "a list"
+    return "a number"
+
+
+def _check_nesting(inputs: Any, shape: Shape, depth: int) -> tuple[int, ...]:
+    """The dims of ``inputs`` (``depth`` or ``depth + 1`` of them) after checking that every
+    list at one level has the same length and every leaf is a number of the right kind."""
+    dims: list[int] = []
+    value = inputs
+    while isinstance(value, list):  # guess the dims from the first elements
+        if len(dims) > depth:
+            raise InputError(
+                400, f"expected {shape.expected} (got lists nested more than {depth + 1} deep)"
+            )
+        dims.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    if len(dims) not in (depth, depth + 1) or 0 in dims:
+        got = f"shape {dims}" if dims else _kind(inputs, plural=False)
+        raise InputError(400, f"expected {shape.expected} (got {got})")
+    ints_only = shape.dtype.kind in "iu"
+    # walk level by level: each level is a list of (path, value) pairs
+    level: list[tuple[str, Any]] = [("inputs", inputs)]
+    for d, n in enumerate(dims):
+        nxt: list[tuple[str, Any]] = []
+        for path, v in level:
+            if not isinstance(v, list):
+                raise InputError(
+                    400, f"expected {shape.expected} (got {_kind(v, plural=False)} at {path})"
+                )
+            if len(v) != n:
+                raise InputError(
+                    400,
+                    f"expected {shape.expected}: lists at one level must have the same length "
+                    f"(got {len(v)} at {path}, {n} before it)",
+                )
+            if d == len(dims) - 1:
+                for i, leaf in enumerate(v):
+                    t = type(leaf)
+                    if t is int or (t is float and not ints_only):
+                        continue
+                    what = "a fraction" if t is float else _kind(leaf, plural=False)
+                    need = "integers" if ints_only else "numbers"
+                    raise InputError(400, f"inputs must be {need} (got {what} at {path}[{i}])")
+            else:
+                nxt.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+        level = nxt
+    return tuple(dims)
