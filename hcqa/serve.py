@@ -48,7 +48,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from typing import Any
 
-import anyio
 import attrs
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +60,7 @@ from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, so
 from hcqa.pipeline import Pipeline, Stage
 
 try:
+    import anyio  # comes with starlette
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
     from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
     from prometheus_client.registry import Collector
