@@ -47,6 +47,7 @@ import ctypes
 import math
 import os
 import select
+import stat
 import threading
 import time
 import weakref
@@ -114,6 +115,22 @@ def _check_target(value: object, what: str = "value") -> int:
     return value
 
 
+def _check_page_fd(fd: object) -> None:
+    """Refuse (before taking it) what can't be a signal page: not an open memfd or file
+    of at least one page."""
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise InvalidCommand(f"'page_fd' must be an int fd (got {type(fd).__name__})")
+    try:
+        st = os.fstat(fd)
+    except (OSError, OverflowError):
+        raise InvalidCommand(f"'page_fd' must be an open memfd (got fd {fd}, not open)") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size < PAGE:
+        raise InvalidCommand(
+            f"'page_fd' must be a memfd of at least {PAGE} bytes "
+            f"(got fd {fd} of {st.st_size} bytes, mode {stat.filemode(st.st_mode)})"
+        )
+
+
 def _release(fd: int, page: Page, index: int, peers: list[int], owned: bool) -> None:
     os.close(fd)
     for peer in peers:
@@ -146,8 +163,11 @@ class Signal:
 
         Takes ownership of ``page_fd``. Add the exporting side's eventfd with
         :meth:`add_peer` so that values set here wake its waiters too."""
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidCommand(f"'index' must be an int (got {type(index).__name__})")
         if not 0 <= index < PAGE // SLOT:
             raise InvalidCommand(f"'index' must be in [0, {PAGE // SLOT}) (got {index})")
+        _check_page_fd(page_fd)
         sig = cls.__new__(cls)
         sig._setup(Page(page_fd), index, name, owned=False)
         return sig

@@ -113,6 +113,8 @@ class Tracer(trio.abc.Instrument):
     def __init__(self, path: str | os.PathLike[str], *, max_events: int = 500_000) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise InvalidCommand(f"'path' must be a str or os.PathLike (got {type(path).__name__})")
+        if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 0:
+            raise InvalidCommand(f"'max_events' must be an int >= 0 (got {max_events!r})")
         self.path = os.fspath(path)
         _check_writable(self.path)  # now, not when the run ends and the trace is lost
         self.max_events = max_events

@@ -432,6 +432,18 @@ def _cases() -> list[Any]:
         C("add-peer-str", lambda e: e.s.add_peer("x"), ic, r"int fd \(got str\)"),  # type: ignore[arg-type]
         C("add-peer-closed-signal", lambda e: e.gone.add_peer(-1), ic, "open fd"),
         C("signal-name-empty", lambda e: Variable("", 0, 1), ic, "non-empty str"),
+        C("attach-index", lambda e: Signal.attach(e.s.export()[0], -1), ic, r"'index' must be in"),
+        C("attach-index-str", lambda e: Signal.attach(e.s.export()[0], "0"), ic, "'index'"),  # type: ignore[arg-type]
+        C("attach-fd-neg", lambda e: Signal.attach(-1, 0), ic, r"'page_fd' must be an open memfd"),
+        C("attach-fd-str", lambda e: Signal.attach("x", 0), ic, r"'page_fd' must be an int fd"),  # type: ignore[arg-type]
+        C("alloc-shared-str", lambda e: e.d0.alloc(8, shared="yes"), ic, "'shared' must be a bool"),  # type: ignore[arg-type]
+        C(
+            "program-entry-int",
+            lambda e: e.d0.program("p", ADD1, entry=3),
+            ic,
+            "'entry' must be a str",
+        ),  # type: ignore[arg-type]
+        C("tracer-max-events", lambda e: hcqa.Tracer(e.path, max_events=-1), ic, "'max_events'"),
         C("tracer-dir", lambda e: hcqa.Tracer(e.path.parent), ic, "must be a file"),
         C("tracer-missing-dir", lambda e: hcqa.Tracer(e.path / "x" / "t.json"), ic, "can't write"),
         C("variable-range", lambda e: Variable("v", 5, 1), ic, r"'hi' must be >= lo = 5 \(got 1\)"),

@@ -142,6 +142,8 @@ class Device:
 
         ``shared=True`` puts it in memory another process can map (``Buffer.export``)."""
         self._check_usable()
+        if not isinstance(shared, bool):
+            raise InvalidCommand(f"'shared' must be a bool (got {type(shared).__name__})")
         if isinstance(shape, bool):
             raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
         n, dt, shp = typed_size(nbytes, dtype, shape)  # an int shape becomes (shape,)
@@ -199,6 +201,8 @@ class Device:
         launch geometry ``gx, gy, gz, lx, ly, lz`` (a Python kernel declares keyword-only
         ``global_size`` / ``local_size`` instead)."""
         self._check_usable()
+        if entry is not None and not isinstance(entry, str):
+            raise InvalidCommand(f"'entry' must be a str or None (got {type(entry).__name__})")
         if not isinstance(name, str) or not name:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
         return self._make_program(
