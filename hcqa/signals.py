@@ -187,6 +187,10 @@ class Signal:
         self._alone = False  # a thread waits with _wait_alone: always write the eventfd
         self._broken: BaseException | None = None
         self._closed = False
+        # Engine writes hold the lock close() takes (see _set_from_engine). A device
+        # clears this for its own signals, which it closes only after joining every
+        # thread that writes them: they skip the lock.
+        self._guarded = True
         self._final = 0
         self._finalizer = weakref.finalize(
             self, _release, self._fd, self._page, self._index, self._peers, owned
@@ -213,14 +217,24 @@ class Signal:
         checks; a closed signal is left alone. The check and the writes hold the lock
         that :meth:`close` takes to mark the signal closed, so a write queued before a
         close can never land in the slot (or the fds) after they were recycled."""
-        with self._lock:
-            if self._closed:
-                return
-            self._value.value = value
-            if self._waiters or _forked or self._alone:
-                os.eventfd_write(self._fd, 1)
-            for peer in self._peers:
-                os.eventfd_write(peer, 1)
+        if self._guarded:
+            with self._lock:
+                if self._closed:
+                    return
+                self._value.value = value
+                if self._waiters or _forked or self._alone:
+                    os.eventfd_write(self._fd, 1)
+                for peer in self._peers:
+                    os.eventfd_write(peer, 1)
+            return
+        # unguarded: a device's own signal, closed only after every writer was joined
+        if self._closed:
+            return
+        self._value.value = value
+        if self._waiters or _forked or self._alone:
+            os.eventfd_write(self._fd, 1)
+        for peer in self._peers:
+            os.eventfd_write(peer, 1)
 
     # -- sharing with other processes ------------------------------------------------------
 
@@ -268,6 +282,9 @@ class Signal:
     def _stamp_from_engine(self, ns: int) -> None:
         """The engines' timestamp write: dropped once the signal is closed (its slot may
         be another signal's by then), under the lock :meth:`close` takes."""
+        if not self._guarded:
+            self._stamp.value = ns
+            return
         with self._lock:
             if not self._closed:
                 self._stamp.value = ns

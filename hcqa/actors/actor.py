@@ -79,6 +79,7 @@ class QueueActor:
         self.capacity = capacity
         self._send, self._recv = trio.open_memory_channel[Batch](capacity)
         self.signal = Signal(name=f"{self.name} queue")
+        self.signal._guarded = False  # closed by the device only once its writers are joined
         self.value = 0  # the last value of ``signal`` handed out
         self.sent = 0
         self.received = 0

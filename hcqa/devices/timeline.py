@@ -55,6 +55,8 @@ class Timeline:
         self._foreign: set[int] = set()
         self.foreign_reserved = 0
         self.foreign_done = Signal(name=f"{name} foreign steps")
+        for s in (*self.signals, self.foreign_done):
+            s._guarded = False  # closed by the device only once every writer is done
         if start:
             self.signals[_epoch(start) % 2].value = _value(start)
 
