@@ -16,12 +16,14 @@ the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
 The three are ordered by the buffers' hazards, not by awaiting in between.
 
 From an asyncio task (see ``hcqa.aio``) a call that finds a free slot runs on that
-task *step by step*: it enqueues the slot's copy-in, transfers, programs and copy-out
-one at a time, each once the one before is reached, awaiting each fence on the asyncio
-loop. Each enqueue then finds its hazards done and goes straight to an idle engine,
-so no queue actor -- no trio task -- is woken: under asyncio a trio wake-up costs an
-extra thread hand-off (trio's guest I/O thread). A call that must wait for a slot runs
-in the trio host as under trio.
+task. When it is the only one in flight it runs *step by step*: it enqueues the slot's
+copy-in, transfers, programs and copy-out one at a time, each once the one before is
+reached, awaiting each fence on the asyncio loop. Each enqueue then finds its hazards
+done and goes straight to an idle engine, so no queue actor -- no trio task -- is woken
+(under asyncio a trio wake-up costs an extra thread hand-off through trio's guest I/O
+thread). With other calls in flight it replays the graph as under trio, so the queue
+actors chain the stages without waiting for a busy asyncio loop between them. A call
+that must wait for a slot runs in the trio host.
 
 Cancellation: cancelling a caller stops its wait at once. The work already
 queued on its slot completes on the devices; the slot (and its unit of
@@ -177,8 +179,9 @@ class Pipeline:
         if aio.asyncio_caller():  # from asyncio: run here when nothing needs waiting for
             if not self._ready_now():
                 return await aio.call(self.__call__, arr)
+            idle = len(self._free) == self.depth
             self._limit.acquire_nowait()
-            return await self._run(arr, stepwise=True)
+            return await self._run(arr, stepwise=idle)
         await self._limit.acquire()
         return await self._run(arr)
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import sniffio
 import trio
 
 import hcqa
@@ -95,7 +96,12 @@ def test_every_public_await_under_asyncio() -> None:
 
     async def main() -> None:
         async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            # between guest ticks trio's run is installed in this thread, but no trio task
+            # runs: sniffio sees asyncio, and trio's task-level calls refuse
             assert trio.lowlevel.in_trio_run() and not trio.lowlevel.in_trio_task()
+            assert sniffio.current_async_library() == "asyncio"
+            with pytest.raises(RuntimeError):
+                trio.lowlevel.current_task()
             x = d0.alloc(shape=(64,), dtype="float32")
             out = d0.alloc(shape=(64,), dtype="float32")
             y = d1.alloc(shape=(64,), dtype="float32")
