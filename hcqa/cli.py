@@ -420,7 +420,7 @@ def _run_serve(args: argparse.Namespace) -> int:
                     _out(f"{PROG}: serving {pipe} on http://{args.host}:{port} ({batching})")
                     _out(
                         f"  POST /infer  one sample float32[{args.width}] or a batch "
-                        f"float32[n, {args.width}], as JSON {{\"inputs\": ...}} or raw "
+                        f'float32[n, {args.width}], as JSON {{"inputs": ...}} or raw '
                         "little-endian bytes; GET /health, /stats, /metrics"
                     )
                     sys.stdout.flush()

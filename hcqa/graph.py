@@ -177,6 +177,7 @@ class Graph:
         self._variables: set[Variable] = set()
         self._names: set[str] = set()  # the variables' names, once the capture ends
         self._capture_signal = _placeholder()
+        self._signals: dict[Signal, None] = {}  # user signals the commands use (see _submit)
         self._sink: QueueActor | None = None
         self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
         self._symbols: tuple[Any, ...] = ()  # the distinct expressions of the patch slots
@@ -205,6 +206,8 @@ class Graph:
         device._check_usable()
         symbolic = False
         for c in commands:
+            if type(c) in (cmd.Wait, cmd.Signal, cmd.Timestamp):
+                self._signals[c.signal] = None
             for value in attrs.astuple(c, recurse=False):
                 items = value if isinstance(value, tuple) else (value,)
                 for v in items:
@@ -448,6 +451,9 @@ class Graph:
                 rebind = None
         for b in owners:
             b._check()  # freed or closed since the capture: refuse before anything is sent
+        for s in self._signals:
+            if s._closed:
+                s._check_queueable("replay")  # DeviceClosed, before anything is sent
         resolved = self._batches(bound, rebind)
         for part, _, _ in resolved:
             part.actor.device._check_usable()

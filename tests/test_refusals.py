@@ -431,19 +431,20 @@ async def test_copyin_reads_the_host_array_when_the_copy_runs(dev: hcqa.Device) 
     gate.close()
 
 
-# -- known open bugs (docs/reliability.md) ------------------------------------------------------
-
-
-@pytest.mark.xfail(strict=True, reason="open bug: replays do not check their signals")
-async def test_a_replay_refuses_a_signal_closed_since_the_capture(dev: hcqa.Device) -> None:
+@pytest.mark.parametrize("verb", ["wait", "signal", "timestamp"])
+async def test_a_replay_refuses_a_signal_closed_since_the_capture(
+    dev: hcqa.Device, verb: str
+) -> None:
     w = Signal(name="w")
+    q = dev.compute_queue()
     with hcqa.capture() as g:
-        dev.compute_queue().wait(w, 1).submit()
+        (q.timestamp(w) if verb == "timestamp" else getattr(q, verb)(w, 1)).submit()
     w.close()
     before = _state(dev)
-    try:
-        with trio.fail_after(10), pytest.raises(DeviceClosed, match="'w'"):
-            await g()
-        assert _state(dev) == before  # nothing queued
-    finally:
-        assert dev.faulted is None  # today: faulted with DeviceClosed
+    with trio.fail_after(10), pytest.raises(DeviceClosed, match=r"replay: signal 'w' is closed"):
+        await g()
+    with pytest.raises(DeviceClosed, match=r"replay: signal 'w' is closed"):
+        g.submit()
+    assert _state(dev) == before  # nothing queued
+    assert dev.faulted is None
+    await still_computes(dev)
