@@ -122,8 +122,13 @@ async def test_fault_breaks_user_signals_queued_behind_it() -> None:
     try:
         async with hcqa.open_device("cpu:0", hang_limit=SAFE) as d:
             buf = d.alloc(8)
-            ht.failing_kernel(d)(buf)
-            d.compute_queue().exec(d.program("count", counter), (buf,)).signal(s, 1).submit()
+            hold, gate = ht.hanging_kernel(d)
+            try:  # the engine is held until everything is queued: the fault can't come first
+                hold(buf)
+                ht.failing_kernel(d)(buf)
+                d.compute_queue().exec(d.program("count", counter), (buf,)).signal(s, 1).submit()
+            finally:
+                gate.close()
             async with elapsed_below(SLACK):
                 with pytest.raises(DeviceFault) as info:
                     await s.wait(1)  # broken with the device's fault, not left hanging
@@ -138,10 +143,16 @@ async def test_fault_crosses_devices_as_the_same_instance() -> None:
     async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=SAFE) as (d0, d1):
         x = d0.alloc(shape=(N,), dtype="float32")
         y = d1.alloc(shape=(N,), dtype="float32")
-        ht.failing_kernel(d0)(x)  # writes x
+        hold, gate = ht.hanging_kernel(d0)
+        try:  # d0 is held until the transfer is queued: the fault can't come first
+            hold(x)
+            ht.failing_kernel(d0)(x)  # writes x
+            fence = hcqa.transfer(y, x)  # d1's copy queue waits for that write
+        finally:
+            gate.close()
         async with elapsed_below(SLACK):  # far below the 30 s hang limit
             with pytest.raises(DeviceFault) as info:
-                await hcqa.transfer(y, x)  # d1's copy queue waits for that write
+                await fence
         fault = info.value
         assert fault.device == "cpu:0"
         assert d0.faulted is fault

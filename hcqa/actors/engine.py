@@ -3,12 +3,25 @@
 Theory of operation
 -------------------
 An engine owns one thread that takes *runs* of commands (lists, in queue
-order) from a ``SimpleQueue`` and executes them one by one, dispatching on the
+order) from its inbox and executes them one by one, dispatching on the
 command's type through a table: the device supplies the handlers for the work
 (``Exec``, ``Copy``, ``Load``); the engine itself handles the bookkeeping
 (``Signal``, ``Timestamp``, ``MemoryBarrier``, ``Step``). Kernels and copies
 release the GIL (numpy, ctypes), so an engine computes while the event loop
 routes.
+
+The inbox is a deque and a *doorbell* eventfd: ``put`` appends the run and, only
+when the thread said it is going to sleep, writes the bell; the thread sleeps in a
+blocking read of the bell (GIL released). A thread blocked in an eventfd read wakes
+measurably faster than one blocked on a lock (``SimpleQueue``), and a burst of runs
+rings once. No wake-up is lost: the thread marks itself sleeping *before* it looks
+at the deque a last time, and ``put`` appends *before* it reads the mark (the GIL
+orders the four steps). The bell is closed by :meth:`Engine.join` once the thread
+has exited -- never while it may still read it.
+
+``run_inline`` executes a run on the calling thread instead, through the same
+table and fault handling; the queue actor uses it for short copies when the
+queue is idle (see ``actor.py``).
 
 Completion is reported only through signals: a ``Signal`` command writes the
 slot and the eventfd; a ``Step`` advances the device timeline. The engine never
@@ -26,10 +39,11 @@ interrupted, it finishes first.
 
 from __future__ import annotations
 
-import queue
+import collections
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hcqa import commands as cmd
@@ -60,7 +74,10 @@ class Engine:
         on_fault: Callable[[Any, BaseException], None],
     ) -> None:
         self.name = name
-        self._inbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self._inbox: collections.deque[Iterable[Any] | None] = collections.deque()
+        self._bell = os.eventfd(0, os.EFD_CLOEXEC)  # the thread blocks reading it
+        self._sleeping = False  # the thread is (about to be) blocked on the bell
+        self._bell_closed = False
         self._table: dict[type, Handler] = {
             cmd.Signal: self._signal,
             cmd.Timestamp: self._timestamp,
@@ -80,31 +97,40 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, run: list[Any]) -> None:
-        """Queue a run of commands (called from the actor's task)."""
-        self._inbox.put(run)
+    def put(self, run: Iterable[Any] | None) -> None:
+        """Queue a run of commands (called from the actor's task); ``None`` ends the thread."""
+        self._inbox.append(run)
+        if self._sleeping:  # read after the append: see the module doc
+            self._sleeping = False
+            self._ring()
         if self._dead:  # nobody will run it: skip it here (breaking its signals)
             self._drain_dead()
 
+    def _ring(self) -> None:
+        if not self._bell_closed:
+            os.eventfd_write(self._bell, 1)
+
     def _drain_dead(self) -> None:
-        while True:
-            try:
-                run = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        inbox = self._inbox
+        while inbox:
+            run = inbox.popleft()
             for command in run or ():
                 self._skip(command, self.error)
 
     def stop(self) -> None:
         """Ask the thread to exit once it has handled everything queued before."""
-        self._inbox.put(None)
+        self.put(None)
 
     def join(self, timeout: float | None = None) -> bool:
-        """Join the thread; True when it has exited."""
-        if self._thread.ident is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Join the thread; True when it has exited (its doorbell is closed then)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        if not self._bell_closed:
+            self._bell_closed = True
+            os.close(self._bell)
+        return True
 
     @property
     def alive(self) -> bool:
@@ -112,29 +138,25 @@ class Engine:
 
     # -- the thread ----------------------------------------------------------------------
 
+    def _next(self) -> Iterable[Any] | None:
+        """The next run, sleeping on the bell while there is none."""
+        inbox = self._inbox
+        while not inbox:
+            self._sleeping = True  # before the last look: see the module doc
+            if inbox:
+                self._sleeping = False
+                break
+            os.eventfd_read(self._bell)  # GIL released while blocked
+        return inbox.popleft()
+
     def _main(self) -> None:
-        inbox, handlers = self._inbox, self._table
+        handlers = self._table
         died: BaseException | None = None
         try:
-            while (run := inbox.get()) is not None:
+            while (run := self._next()) is not None:
                 hook = trace_hook  # tracing: one global read per run
                 table = handlers if hook is None else hook.engine_run(self, run, handlers)
-                for command in run:
-                    error = self.error
-                    if error is not None:
-                        self._skip(command, error)
-                        continue
-                    handler = table.get(type(command))
-                    try:
-                        if handler is None:
-                            raise TypeError(
-                                f"engine {self.name!r} has no handler for "
-                                f"{type(command).__name__} commands"
-                            )
-                        handler(command)
-                    except BaseException as exc:
-                        self._on_fault(command, exc)
-                        self._skip(command, self.error)
+                self._execute(run, table)
         except BaseException as exc:  # an error outside any handler: the thread dies
             died = exc
             raise
@@ -146,6 +168,30 @@ class Engine:
                 self._dead = True
                 self._drain_dead()  # what was queued behind the fatal run
             self.exited._set_from_engine(1)
+
+    def _execute(self, run: Iterable[Any], table: dict[type, Handler]) -> None:
+        for command in run:
+            error = self.error
+            if error is not None:
+                self._skip(command, error)
+                continue
+            handler = table.get(type(command))
+            try:
+                if handler is None:
+                    raise TypeError(
+                        f"engine {self.name!r} has no handler for "
+                        f"{type(command).__name__} commands"
+                    )
+                handler(command)
+            except BaseException as exc:
+                self._on_fault(command, exc)
+                self._skip(command, self.error)
+
+    def run_inline(self, run: list[Any]) -> None:
+        """Execute ``run`` now, on the calling thread, exactly as the thread would (same
+        handlers, same fault handling). The caller guarantees the queue is idle: nothing
+        queued or running before it (so queue order holds) and no tracer recording."""
+        self._execute(run, self._table)
 
     def _skip(self, command: Any, error: BaseException | None) -> None:
         """Not executing ``command``: its signal must not be left unset forever."""

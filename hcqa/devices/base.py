@@ -490,6 +490,7 @@ class Device:
             return  # a stuck engine may still write our memory and signals: leave them
         self._timeline.close()
         for actor in self._queues.values():
+            actor.engine.join(0)  # closes its doorbell (also for a never-started engine)
             actor.signal.close()
             actor.engine.exited.close()
         self.allocator.close()
