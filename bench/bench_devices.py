@@ -19,9 +19,10 @@ a rotating order, so host-load drift hits all sides alike; ratios are what to qu
    100 signals, submitted again and again (end to end: first submit to last fence reached),
    vs the floor, a trio memory channel carrying 100 commands per message to a task that
    dispatches each (target: 100 execs per submit <= 3x the floor per command).
-3. ``hcqa.transfer`` cpu:0 -> cpu:1 of 1 MiB (target p50 <= 100 us or <= 2x numpy.copyto), 64 and 256 MiB vs
-   ``numpy.copyto`` (target >= 0.8x its bandwidth, aim 0.95x); copyin / copyout of 64 MiB with
-   ``host_visible=True`` and ``False`` (the staging ring). ``--quick`` skips 256 MiB.
+3. ``hcqa.transfer`` cpu:0 -> cpu:1 of 1 MiB (target p50 <= 100 us or <= 2x numpy.copyto),
+   64 and 256 MiB vs ``numpy.copyto`` (target >= 0.8x its bandwidth, aim 0.95x); copyin /
+   copyout of 64 MiB with ``host_visible=True`` and ``False`` (the staging ring).
+   ``--quick`` skips 256 MiB.
 4. the peer, tinygrad 0.13's CPU device, when importable: a direct program call + synchronize
    of a tiny kernel, cross-device copies of 1 and 256 MiB (``CPU:0`` -> ``CPU:1``).
 

@@ -353,7 +353,7 @@ def kill_engine(device: Device, queue: QueueKind = "compute", exc: ExcSpec = Non
     error = _exception(exc, f"engine {engine.name!r} killed by hcqa.testing.kill_engine")
     if exc is None:
         error = EngineKilled(f"engine {engine.name!r} killed by hcqa.testing.kill_engine")
-    engine.put(_Poison(error))  # type: ignore[arg-type]
+    engine.put(_Poison(error))
     return Fence(engine.exited, 1, context=f"{engine.name} engine exit")
 
 

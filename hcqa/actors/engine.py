@@ -179,8 +179,7 @@ class Engine:
             try:
                 if handler is None:
                     raise TypeError(
-                        f"engine {self.name!r} has no handler for "
-                        f"{type(command).__name__} commands"
+                        f"engine {self.name!r} has no handler for {type(command).__name__} commands"
                     )
                 handler(command)
             except BaseException as exc:
