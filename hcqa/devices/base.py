@@ -11,8 +11,9 @@ which runs on the caller's task and never blocks:
 1. check the device is open and not faulted (a fault is sticky and re-raised);
 2. add a ``Wait`` for each buffer hazard on another queue (see ``buffer.py``);
 3. append ``Signal(queue signal, v)`` and ``Step(timeline, seq)``;
-4. ``send_nowait`` the batch to the queue's channel, record the hazards, and
-   return the timeline's ``Fence`` for ``seq``.
+4. ``send_nowait`` the batch to the queue's channel -- or, for a short copy on an
+   idle queue with no hazard (``_inline``), run it at once on the caller's thread --
+   record the hazards, and return the timeline's ``Fence`` for ``seq``.
 
 Errors are sticky: the first fault (a kernel or copy raising in an engine, or a
 Wait that broke) is stored in ``_error`` and breaks the device's signals with
@@ -37,6 +38,7 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
 from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
+from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
@@ -112,6 +114,12 @@ class Device:
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         raise NotImplementedError
+
+    def _inline(self, command: Any) -> bool:
+        """Whether ``command``, alone in a batch on an idle queue with no hazard, may run
+        inline on the caller's thread (see ``actor.py``): only what surely takes a few
+        tens of microseconds. None by default."""
+        return False
 
     # -- public surface --------------------------------------------------------------------
 
@@ -362,6 +370,13 @@ class Device:
                 "await submit_async() / the fences to apply backpressure"
             )
         batch: list[Any] = hazard_waits(actor, reads, writes)
+        inline = (
+            not batch  # no hazard to wait for
+            and len(commands) == 1
+            and self._inline(commands[0])
+            and actor.idle()
+            and _engine.trace_hook is None  # a tracer records engine runs: keep it exact
+        )
         if waits is not None:
             waits = waits or bool(batch)
         batch.extend(commands)
@@ -370,7 +385,10 @@ class Device:
         batch.append(cmd.Signal(signal=actor.signal, value=value))
         seq, steps = self._steps(also)
         batch.extend(steps)
-        actor.send_nowait(Batch(batch), waits)
+        if inline:
+            actor.run_inline(batch)
+        else:
+            actor.send_nowait(Batch(batch), waits)
         for b in reads:
             b._hazards.reads[actor] = value
         for b in writes:

@@ -15,6 +15,10 @@ files with ``os.preadv`` straight into device memory. With
 as a discrete GPU's: host copies and file loads then go through the staging
 ring (32 x 2 MiB) in chunks, exactly the path a real device takes, while
 device-to-device copies stay direct.
+
+A direct copy of at most ``INLINE_COPY_MAX`` (1 MiB) bytes, alone in its batch, on
+an idle copy queue with no hazard to wait for, runs inline on the caller's thread
+(``_inline``): the fence is reached when the call returns.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from hcqa.errors import InvalidCommand
 __all__ = ["CpuDevice"]
 
 _memmove = ctypes.memmove
+
+INLINE_COPY_MAX = 1 << 20  # bytes: a direct copy this short may run on the caller's thread
 
 
 def _bytes_at(addr: int, n: int) -> memoryview:
@@ -74,6 +80,19 @@ class CpuDevice(Device):
             return Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
+        )
+
+    def _inline(self, command: Any) -> bool:
+        """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
+        the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
+        wake-ups the copy engine would cost (and no longer than the event loop may be held)."""
+        if type(command) is not cmd.Copy:
+            return False
+        n = command.nbytes
+        return (
+            type(n) is int
+            and n <= INLINE_COPY_MAX
+            and not (self._staged(command.src) or self._staged(command.dest))
         )
 
     # -- engine handlers (run in engine threads) ------------------------------------------

@@ -1,0 +1,134 @@
+"""The launch path (issue 18): the engine's doorbell, and short copies run inline.
+
+Inline copies must keep every ordering guarantee of the queued path: queue order on a
+busy queue, hazards on other queues, faults, staging; the engine's doorbell must lose no
+wake-up and close its eventfd with the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import trio
+
+import hcqa
+import hcqa.testing as ht
+from hcqa import DeviceFault, Signal
+from hcqa import commands as cmd
+from hcqa.devices.cpu import INLINE_COPY_MAX, CpuDevice
+
+MIB = 1 << 20
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd")) - 1
+
+
+async def test_short_transfer_on_idle_queues_is_done_when_the_call_returns() -> None:
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        src, dst = d0.alloc(MIB), d1.alloc(MIB)
+        data = np.random.default_rng(1).integers(0, 256, MIB, dtype=np.uint8)
+        await src.copyin(data)
+        await d1.synchronize()
+        fence = hcqa.transfer(dst, src)
+        assert fence.reached  # ran inline: no engine hop
+        assert np.array_equal(dst.numpy_view(), data)
+        await fence
+        assert d0.timeline.value == d0._timeline.reserved  # the source's step completed too
+        out = np.zeros(MIB, np.uint8)
+        f_out = dst.copyout(out)
+        assert f_out.reached
+        assert np.array_equal(out, data)
+
+
+async def test_short_copy_behind_a_waiting_queue_keeps_queue_order() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(MIB)
+        gate = Signal(name="gate")
+        try:
+            d.copy_queue().wait(gate, 1).submit()  # holds the copy queue
+            await trio.testing.wait_all_tasks_blocked()
+            ones = np.ones(MIB, np.uint8)
+            fence = buf.copyin(ones)
+            assert not fence.reached  # queued behind the wait, not run inline
+            assert not buf.numpy_view().any()
+            gate.value = 1
+            await fence
+            assert (buf.numpy_view() == 1).all()
+        finally:
+            gate.close()
+
+
+async def test_short_copy_waits_for_a_hazard_on_another_queue() -> None:
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        x, y = d0.alloc(MIB), d1.alloc(MIB)
+        hold, gate = ht.hanging_kernel(d0)
+        fill = d0.program("fill", lambda a: a.fill(9))
+        try:
+            hold(x)
+            fill(x)  # writes x, behind the held kernel
+            fence = hcqa.transfer(y, x)  # must wait for that write
+            assert not fence.reached
+        finally:
+            gate.close()
+        await fence
+        assert (y.numpy_view() == 9).all()
+
+
+async def test_inline_copy_fault_is_the_device_fault() -> None:
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        x, y = d0.alloc(4096), d1.alloc(4096)
+        with ht.fail_next_copy(d1) as inj:
+            fence = hcqa.transfer(y, x)
+        assert inj.fired == 1
+        with pytest.raises(DeviceFault) as info:
+            await fence
+        assert info.value is d1.faulted
+        assert isinstance(info.value.__cause__, ht.InjectedFault)
+        assert d0.faulted is None  # the source only lent its memory
+
+
+@pytest.mark.parametrize("host_visible", [True, False])
+async def test_which_copies_may_run_inline(host_visible: bool) -> None:
+    async with hcqa.open_device("cpu:0", host_visible=host_visible) as d:
+        assert isinstance(d, CpuDevice)
+        a, b = d.alloc(INLINE_COPY_MAX + 1), d.alloc(INLINE_COPY_MAX + 1)
+        host = np.zeros(INLINE_COPY_MAX, np.uint8)
+        ref = cmd.HostMemoryRef(va_addr=host.ctypes.data, nbytes=host.nbytes, keep=host)
+        assert d._inline(cmd.Copy(dest=a, src=b, nbytes=INLINE_COPY_MAX))
+        assert not d._inline(cmd.Copy(dest=a, src=b, nbytes=INLINE_COPY_MAX + 1))
+        assert not d._inline(cmd.Copy(dest=a, src=b, nbytes=hcqa.Variable("n", 1, 8)))
+        # host copies through the staging ring stay on the copy engine
+        assert d._inline(cmd.Copy(dest=a, src=ref, nbytes=host.nbytes)) is host_visible
+        assert not d._inline(cmd.Load(dest=a, path="/dev/null", offset=0, nbytes=1))
+
+
+async def test_copies_of_every_size_land_in_order_on_one_queue() -> None:
+    # Inline and engine copies interleaved on one queue: each later copy sees the earlier.
+    async with hcqa.open_device("cpu:0") as d:
+        big = d.alloc(3 * MIB)
+        small = d.alloc(MIB)
+        out = np.zeros(MIB, np.uint8)
+        for k in range(1, 6):
+            f1 = big.copyin(np.full(3 * MIB, k, np.uint8))  # engine
+            f2 = d.copy_queue().copy(small, big.view(2 * MIB, MIB), MIB).submit()
+            f3 = small.copyout(out)
+            await f1
+            await f2
+            await f3
+            assert (out == k).all()
+
+
+async def test_doorbell_wakes_for_every_burst_and_is_closed_with_the_device() -> None:
+    before = _fds()
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(8)
+        count = d.program("count", lambda a: a.view(np.int64).__iadd__(1))
+        for burst in (1, 2, 7, 1, 64):
+            fences = [count(buf) for _ in range(burst)]
+            await fences[-1]
+            assert all(f.reached for f in fences)
+        assert int(buf.numpy_view().view(np.int64)[0]) == 75
+    assert _fds() == before  # the doorbells went with the engines
