@@ -143,7 +143,8 @@ def _server(kind: str, port: int) -> subprocess.Popen[bytes]:
     else:
         argv = [sys.executable, str(ROOT / "examples" / "fastapi_app.py"), "--port", str(port)]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, cwd=ROOT)
+    quiet = subprocess.DEVNULL
+    return subprocess.Popen(argv, env=env, stdout=quiet, stderr=quiet, cwd=ROOT)
 
 
 def _loadtest() -> Any:

@@ -139,3 +139,59 @@ def test_aiohttp_example() -> None:
         assert not aio._hosts
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+
+
+def test_hcqa_serve_app_under_uvicorn() -> None:
+    """``hcqa.serve.make_app`` (Starlette) served by uvicorn on asyncio: /infer used to
+    answer 500 there (issue 15); batched single samples and whole batches both work."""
+    uvicorn = pytest.importorskip("uvicorn")
+    import hcqa
+    from hcqa.serve import make_app, mlp_pipeline
+
+    batch, width = 4, 32
+
+    async def main() -> None:
+        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            pipe = await mlp_pipeline(d0, d1, batch=batch, width=width)
+            async with hcqa.open_batcher(pipe, max_wait=0.002) as batcher:
+                sock = _loopback_socket()
+                port = sock.getsockname()[1]
+                config = uvicorn.Config(make_app(pipe, batcher=batcher), log_level="warning")
+                server = uvicorn.Server(config)
+                serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+                try:
+                    while not server.started:
+                        assert not serving.done(), "uvicorn did not start"
+                        await asyncio.sleep(0.01)
+                    base = f"http://127.0.0.1:{port}"
+                    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as client:
+                        x = np.random.default_rng(2).standard_normal((batch, width))
+                        x = x.astype(np.float32)
+                        r = await client.post(
+                            "/infer",
+                            content=x.astype("<f4").tobytes(),
+                            headers={"content-type": "application/octet-stream"},
+                        )
+                        assert r.status_code == 200, r.text
+                        y = np.frombuffer(r.content, "<f4").reshape(batch, width)
+                        np.testing.assert_allclose(
+                            y, _mlp_reference(x, width), rtol=1e-4, atol=1e-4
+                        )
+                        rows = await asyncio.gather(
+                            *(client.post("/infer", json={"inputs": row.tolist()}) for row in x)
+                        )
+                        for row, r in zip(x, rows, strict=True):
+                            assert r.status_code == 200, r.text
+                            np.testing.assert_allclose(
+                                np.asarray(r.json()["outputs"]).reshape(width),
+                                _mlp_reference(row[None, :], width)[0],
+                                rtol=1e-4,
+                                atol=1e-4,
+                            )
+                finally:
+                    server.should_exit = True
+                    await asyncio.wait_for(serving, TIMEOUT)
+                    sock.close()
+        assert not aio._hosts
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT * 2))
