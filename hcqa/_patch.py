@@ -194,12 +194,16 @@ def check_rebind(
     allocation the graph also uses through another buffer (a view); ``allocations``: the
     allocation ids of all of them."""
     if type(rebind) is not dict and not isinstance(rebind, Mapping):
-        raise TypeError(f"'buffers' must be a dict {{captured: new}} (got {type(rebind).__name__})")
+        raise InvalidCommand(
+            f"'buffers' must be a dict {{captured: new}} (got {type(rebind).__name__})"
+        )
     out: dict[Buffer, Buffer] = {}
     for old, new in rebind.items():
         for what, b in (("key", old), ("value", new)):
             if not isinstance(b, Buffer):
-                raise TypeError(f"'buffers' {what}s must be hcqa.Buffers (got {type(b).__name__})")
+                raise InvalidCommand(
+                    f"'buffers' {what}s must be hcqa.Buffers (got {type(b).__name__})"
+                )
         if old not in captured:
             raise InvalidCommand(f"'buffers' key {old!r} must be a buffer this graph captured")
         if new is old:

@@ -49,7 +49,7 @@ import outcome
 import sniffio
 import trio
 
-from hcqa.errors import DeviceClosed, HcqaError
+from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand
 
 __all__ = ["asyncio_caller", "call", "checkpoint", "hosted", "open_asyncio_host"]
 
@@ -193,7 +193,9 @@ async def open_asyncio_host(
     instruments = list(instruments)
     for ins in instruments:
         if not isinstance(ins, trio.abc.Instrument):
-            raise TypeError(f"'instruments' must hold trio Instruments (got {type(ins).__name__})")
+            raise InvalidCommand(
+                f"'instruments' must hold trio Instruments (got {type(ins).__name__})"
+            )
     if not asyncio_caller():
         raise HcqaError("open_asyncio_host() must be called from an asyncio task (got trio)")
     loop = asyncio.get_running_loop()

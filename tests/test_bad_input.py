@@ -444,6 +444,20 @@ def _cases() -> list[Any]:
             "'entry' must be a str",
         ),  # type: ignore[arg-type]
         C("tracer-max-events", lambda e: hcqa.Tracer(e.path, max_events=-1), ic, "'max_events'"),
+        C("export-not-shared", lambda e: e.raw.export(), ic, "alloc\\(..., shared=True\\)"),
+        C("write-timestamp-neg", lambda e: e.s.write_timestamp(-1), ic, r"'ns' must be in \["),
+        C("write-timestamp-str", lambda e: e.s.write_timestamp("1"), ic, "'ns' must be an int"),  # type: ignore[arg-type]
+        C("write-timestamp-closed", lambda e: e.gone.write_timestamp(1), dc_, "closed", False),
+        C("signal-set-closed", lambda e: setattr(e.gone, "value", 1), dc_, "closed", False),
+        C("replay-buffers-str", lambda e: e.g.submit(buffers="x", n=1), ic, "'buffers'"),  # type: ignore[arg-type]
+        C("replay-buffers-foreign", lambda e: e.g.submit(buffers={e.b: e.other}, n=1), ic, "cpu"),
+        C(
+            "tracer-save-dir",
+            lambda e: hcqa.Tracer(e.path).save(e.path.parent),
+            OSError,
+            "can't write",
+            False,
+        ),
         C("tracer-dir", lambda e: hcqa.Tracer(e.path.parent), ic, "must be a file"),
         C("tracer-missing-dir", lambda e: hcqa.Tracer(e.path / "x" / "t.json"), ic, "can't write"),
         C("variable-range", lambda e: Variable("v", 5, 1), ic, r"'hi' must be >= lo = 5 \(got 1\)"),
@@ -610,6 +624,57 @@ def test_the_matrix_covers_every_public_entry_point() -> None:
         "SignalTimeout",
     }
     assert set(hcqa.__all__) <= covered | elsewhere | no_input
+
+
+# Every public method and property of the classes above: those with cases in the matrix,
+# and those that take no input (or only what the matrix hands them). A new one must join
+# one of the two sets -- with cases, if it takes arguments.
+METHODS_WITH_CASES = {
+    "Device": {"alloc", "import_buffer", "program", "compute_queue", "copy_queue"},
+    "Buffer": {"copyin", "copyout", "export", "free", "load", "numpy_view", "view"},
+    "Program": {"timed", "__call__"},
+    "Queue": {"copy", "exec", "signal", "submit", "submit_async", "timestamp", "wait"},
+    "Signal": {"add_peer", "attach", "timestamp", "value", "wait", "wait_sync", "write_timestamp"},
+    "Fence": {"wait_sync"},
+    "Graph": {"submit", "__call__"},
+    "Tracer": {"save", "__init__"},
+}
+METHODS_WITHOUT_INPUT = {
+    "Device": {"closed", "faulted", "statistics", "synchronize", "timeline", "clock_offset_ns"},
+    "Device+elsewhere": {"timed"},  # tests/test_timed_span.py
+    "Program": {"access", "c_args", "check_geometry", "check_vals", "validate"},  # what calls use
+    "Queue": {"memory_barrier", "variables"},
+    "Signal": {"address", "close", "export", "fd", "statistics", "timestamp_address"},
+    "Fence": {"reached", "wait"},
+    "Graph": {"dump", "statistics"},
+    "Tracer": {
+        "after_io_wait", "after_run", "after_task_step", "before_io_wait", "before_run",
+        "before_task_step", "engine_run", "start", "stop", "task_exited", "task_scheduled",
+        "task_spawned", "waited",
+    },  # trio's Instrument hooks and the engines' tracing hooks
+}  # fmt: skip
+
+
+def test_the_matrix_covers_every_public_method() -> None:
+    classes = {
+        "Device": hcqa.Device,
+        "Buffer": hcqa.Buffer,
+        "Program": hcqa.Program,
+        "Queue": hcqa.Queue,
+        "Signal": hcqa.Signal,
+        "Fence": hcqa.Fence,
+        "Graph": hcqa.Graph,
+        "Tracer": hcqa.Tracer,
+    }
+    for name, cls in classes.items():
+        public = {
+            n
+            for n, v in inspect.getmembers(cls)
+            if not n.startswith("_") and (callable(v) or isinstance(v, property))
+        }
+        known = METHODS_WITH_CASES.get(name, set()) | METHODS_WITHOUT_INPUT.get(name, set())
+        known |= METHODS_WITHOUT_INPUT.get(f"{name}+elsewhere", set())
+        assert public <= known, f"{name}: no bad-input cases for {sorted(public - known)}"
 
 
 async def test_timed_inside_a_capture_is_refused_before_recording(tmp_path: Path) -> None:
