@@ -106,7 +106,7 @@ class Batcher:
         sample_shape: tuple[int, ...],
         dtype: np.dtype[Any],
         depth: int,
-        pad_to: int | None,
+        buckets: list[tuple[int, Target]],
         max_pending: int | None,
     ) -> None:
         self.target = target
@@ -116,7 +116,7 @@ class Batcher:
         self.dtype = dtype
         self.depth = depth
         self.max_pending = max_pending
-        self._pad_to = pad_to
+        self._buckets = buckets
         self._pending: collections.deque[_Request] = collections.deque()
         self._wake = trio.Event()
         self._in_flight = 0
@@ -239,12 +239,13 @@ class Batcher:
         self._samples += n
         self._sizes[n - 1] += 1
         try:
-            rows = n if self._pad_to is None else self._pad_to
+            # the smallest pipeline that holds n rows (a plain callable takes exactly n)
+            rows, target = next(((r, t) for r, t in self._buckets if r >= n), (n, self.target))
             x = np.empty((rows, *self.sample_shape), self.dtype)
             for i, r in enumerate(batch):
                 x[i] = r.sample
             x[n:] = 0
-            y = await self.target(x)
+            y = await target(x)
             y = np.asarray(y)
             if y.ndim < 1 or y.shape[0] != rows:
                 raise InvalidCommand(
@@ -277,6 +278,10 @@ class Batcher:
         self._wake.set()
 
 
+def _is_pipeline(target: Any) -> bool:
+    return all(hasattr(target, a) for a in ("in_shape", "dtype", "depth")) and callable(target)
+
+
 @asynccontextmanager
 async def open_batcher(
     target: Any,
@@ -293,7 +298,10 @@ async def open_batcher(
     ``target`` is a :class:`~hcqa.Pipeline`, a :class:`~hcqa.ProcessPipeline` (anything with
     ``in_shape``, ``dtype`` and ``depth``: samples are rows of ``in_shape``, batches are
     padded to ``in_shape[0]``, ``max_batch`` defaults to it and may not exceed it, and up to
-    ``depth`` batches run at once), or any async callable over an array
+    ``depth`` batches run at once), a list of such pipelines taking the same rows with
+    different batch dimensions (*buckets*: a batch of ``n`` runs on the smallest one with
+    ``in_shape[0] >= n``, so a lone sample is not padded to the largest batch), or any async
+    callable over an array
     ``[n, *sample_shape]`` that returns ``n`` rows (then ``sample_shape`` and ``dtype`` are
     required, ``max_batch`` too, and ``depth`` defaults to 1).
 
@@ -318,36 +326,62 @@ async def open_batcher(
         async with aio.hosted(make, "open_batcher") as hosted:
             yield hosted
         return
-    is_pipeline = all(hasattr(target, a) for a in ("in_shape", "dtype", "depth"))
-    if not callable(target):
+    buckets: list[tuple[int, Target]] = []  # (rows, pipeline), smallest first
+    if isinstance(target, list | tuple):  # pipelines of several batch sizes: buckets
+        pipes = list(target)
+        if not pipes or not all(_is_pipeline(p) for p in pipes):
+            raise InvalidCommand(
+                "a list of batch targets must hold Pipelines or ProcessPipelines "
+                f"(got {[type(p).__name__ for p in pipes]})"
+            )
+    elif _is_pipeline(target):
+        pipes = [target]
+    elif callable(target):
+        pipes = []
+    else:
         raise InvalidCommand(
             f"the batch target must be a Pipeline, ProcessPipeline or async callable "
             f"(got {type(target).__name__})"
         )
-    pad_to: int | None = None
-    if is_pipeline:
-        in_shape = tuple(target.in_shape)
-        if len(in_shape) < 1:
-            raise InvalidCommand(f"the pipeline's in_shape must have a batch dimension (got {[]})")
-        if sample_shape is not None and tuple(sample_shape) != in_shape[1:]:
+    if pipes:
+        rows_shape = tuple(pipes[0].in_shape)[1:]
+        for p in pipes:
+            in_shape = tuple(p.in_shape)
+            if len(in_shape) < 1:
+                raise InvalidCommand(
+                    f"the pipeline's in_shape must have a batch dimension (got {[]})"
+                )
+            if in_shape[1:] != rows_shape or p.dtype != pipes[0].dtype:
+                raise InvalidCommand(
+                    f"the pipelines must take the same rows, {pipes[0].dtype}{list(rows_shape)} "
+                    f"(got {p.dtype}{list(in_shape[1:])})"
+                )
+        buckets = sorted(((int(p.in_shape[0]), p) for p in pipes), key=lambda b: b[0])
+        if len({rows for rows, _ in buckets}) != len(buckets):
             raise InvalidCommand(
-                f"'sample_shape' must be {list(in_shape[1:])}, the pipeline's rows "
+                f"the pipelines' batch dimensions must differ (got {[r for r, _ in buckets]})"
+            )
+        if sample_shape is not None and tuple(sample_shape) != rows_shape:
+            raise InvalidCommand(
+                f"'sample_shape' must be {list(rows_shape)}, the pipeline's rows "
                 f"(got {list(sample_shape)})"
             )
-        if dtype is not None and np.dtype(dtype) != target.dtype:
+        if dtype is not None and np.dtype(dtype) != pipes[0].dtype:
             raise InvalidCommand(
-                f"'dtype' must be {target.dtype}, the pipeline's (got {np.dtype(dtype)})"
+                f"'dtype' must be {pipes[0].dtype}, the pipeline's (got {np.dtype(dtype)})"
             )
-        pad_to = in_shape[0]
-        sample_shape, dtype = in_shape[1:], target.dtype
+        pad_to: int | None = buckets[-1][0]
+        sample_shape, dtype = rows_shape, pipes[0].dtype
         max_batch = pad_to if max_batch is None else max_batch
-        depth = target.depth if depth is None else depth
+        depth = max(p.depth for p in pipes) if depth is None else depth
     elif sample_shape is None or dtype is None or max_batch is None:
         raise InvalidCommand(
             "an async callable target needs 'max_batch', 'sample_shape' and 'dtype' (got "
             f"max_batch={max_batch!r}, sample_shape={sample_shape!r}, dtype={dtype!r})"
         )
-    check_int("max_batch", max_batch, minimum=1)
+    else:
+        pad_to = None
+    max_batch = check_int("max_batch", max_batch, minimum=1)
     if pad_to is not None and max_batch > pad_to:
         raise InvalidCommand(
             f"'max_batch' must be <= {pad_to}, the pipeline's batch dimension (got {max_batch})"
@@ -373,7 +407,7 @@ async def open_batcher(
         sample_shape=shape,
         dtype=np.dtype(dtype),
         depth=depth,
-        pad_to=pad_to,
+        buckets=buckets,
         max_pending=max_pending,
     )
     error: BaseException | None = None

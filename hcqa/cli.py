@@ -369,14 +369,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         stop = trio.Event()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-                pipe = await mlp_pipeline(
+                pipes = await mlp_pipeline(
                     d0,
                     d1,
                     batch=args.max_batch,
                     width=args.width,
                     depth=args.depth,
                     sleep=args.sleep_ms / 1e3,
+                    buckets=(1,),  # a lone sample runs unpadded in a batch-1 pipeline
                 )
+                pipe = pipes[-1]
                 async with trio.open_nursery() as nursery:
 
                     async def on_signals() -> None:
@@ -397,7 +399,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
                     async def server(task_status: trio.TaskStatus[int]) -> None:
                         await serve(
-                            pipe,
+                            pipes,
                             host=args.host,
                             port=args.port,
                             max_batch=args.max_batch,

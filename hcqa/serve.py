@@ -44,7 +44,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -507,6 +507,8 @@ async def serve(
 
     Single samples are batched (:func:`hcqa.open_batcher`, ``max_batch`` -- default the
     pipeline's batch dimension -- and ``max_wait``); ``max_batch=1`` turns batching off.
+    ``pipeline`` may also be a list of pipelines taking the same rows in batches of different
+    sizes (buckets, see :func:`hcqa.open_batcher`); whole-batch requests use the largest.
     ``port=0`` picks a free port; ``await nursery.start(partial(serve, pipe, port=0))``
     returns the bound port. When ``shutdown_trigger()`` returns, the server drains: it stops
     accepting, gives requests in flight ``grace_period`` seconds, and returns.
@@ -533,8 +535,9 @@ async def serve(
             raise TypeError(f"hypercorn's Config has no option {key!r}")
         setattr(config, key, value)
     try:
+        largest = _largest(pipeline)
         async with _maybe_batcher(pipeline, max_batch, max_wait) as batcher:
-            app: Any = make_app(pipeline, batcher=batcher, max_pending=max_pending)
+            app: Any = make_app(largest, batcher=batcher, max_pending=max_pending)
             async with trio.open_nursery() as nursery:
                 start = hypercorn_serve
                 binds: list[str] = await nursery.start(
@@ -561,6 +564,15 @@ def _access_logger(target: str) -> logging.Logger:
     return logger
 
 
+def _largest(pipeline: Any) -> Any:
+    """The pipeline itself, or the one with the largest batch of a list of them."""
+    if isinstance(pipeline, list | tuple):
+        if not pipeline:
+            raise InvalidCommand("serve needs a pipeline (got an empty list)")
+        return max(pipeline, key=lambda p: p.in_shape[0])
+    return pipeline
+
+
 @asynccontextmanager
 async def _maybe_batcher(
     pipeline: Any, max_batch: int | None, max_wait: float
@@ -581,13 +593,19 @@ async def mlp_pipeline(
     depth: int = 2,
     seed: int = 0,
     sleep: float = 0.0,
-) -> Pipeline:
+    buckets: Sequence[int] = (),
+) -> Any:
     """A two-layer MLP with random weights: ``relu(x @ w1)`` on ``d0``, ``@ w2`` on ``d1``.
 
     Input and output are ``float32[batch, width]``; each layer is ``2 * batch * width**2``
     flops, so ``width`` sets how long a microbatch keeps each device busy. ``sleep`` adds
     that many seconds to each layer's kernel without using the host CPU (GIL released), as
     an accelerator's kernel looks from the host.
+
+    ``buckets``: batch sizes smaller than ``batch`` for which to build pipelines too, sharing
+    the weights; then the result is the list of pipelines, smallest first (a target for
+    :func:`serve` and :func:`hcqa.open_batcher`: a lone sample runs in the batch-1 pipeline
+    instead of being padded to ``batch`` rows).
     """
     rng = np.random.default_rng(seed)
     scale = np.float32(1 / math.sqrt(width))
@@ -608,7 +626,9 @@ async def mlp_pipeline(
         np.matmul(x, w, out=out)
 
     stages = [
-        Stage(device=d0, program=dense_relu, params=(w1,), name="dense_relu"),
-        Stage(device=d1, program=dense, params=(w2,), name="dense"),
+        Stage(device=d0, program=d0.program("dense_relu", dense_relu), params=(w1,)),
+        Stage(device=d1, program=d1.program("dense", dense), params=(w2,)),
     ]
-    return Pipeline(stages, in_shape=(batch, width), depth=depth)
+    sizes = sorted({b for b in buckets if b < batch} | {batch})
+    pipes = [Pipeline(stages, in_shape=(b, width), depth=depth) for b in sizes]
+    return pipes if buckets else pipes[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -422,3 +423,58 @@ async def test_an_idle_batcher_burns_no_cpu() -> None:
         await trio.sleep(0.3)  # idle: the collector is parked on its event
         used = time.process_time() - cpu0
     assert used < 0.03
+
+
+async def test_buckets_run_each_batch_on_the_smallest_pipeline_that_holds_it() -> None:
+    gate = threading.Event()
+
+    def gated_double(out: np.ndarray, x: np.ndarray) -> None:
+        gate.wait(10)  # the engine thread holds the batch until the test lets it go
+        np.multiply(x, 2, out=out)
+
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        prog = d0.program("double", gated_double)
+        pipes = [
+            hcqa.Pipeline([hcqa.Stage(device=d0, program=prog)], in_shape=(b, *SAMPLE))
+            for b in (8, 1, 4)
+        ]
+        got: dict[int, np.ndarray] = {}
+        async with hcqa.open_batcher(pipes, max_wait=0.0) as batch:
+            assert (batch.max_batch, batch.depth) == (8, 2)
+
+            async def one(k: int) -> None:
+                got[k] = await batch(sample(k))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0)  # alone: the batch-1 pipeline
+                await trio.testing.wait_all_tasks_blocked()
+                for k in (1, 2, 3):  # 3 samples: the batch-4 pipeline (the second slot)
+                    nursery.start_soon(one, k)
+                await trio.testing.wait_all_tasks_blocked()
+                for k in range(4, 10):  # 6 samples: the batch-8 one, once a slot frees
+                    nursery.start_soon(one, k)
+                await trio.testing.wait_all_tasks_blocked()
+                assert batch.statistics().pending == 6
+                gate.set()
+            sizes = batch.statistics().batch_sizes
+    assert [p.statistics().completed for p in pipes] == [1, 1, 1]  # 8, 1 and 4 rows
+    assert sizes == (1, 0, 1, 0, 0, 1, 0, 0)
+    for k, row in got.items():
+        np.testing.assert_array_equal(row, sample(k) * 2)
+
+
+async def test_bucket_pipelines_must_take_the_same_rows() -> None:
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        a = hcqa.Pipeline([(d0, double)], in_shape=(4, 3))
+        b = hcqa.Pipeline([(d0, double)], in_shape=(2, 5))
+        c = hcqa.Pipeline([(d0, double)], in_shape=(4, 3))
+        for target, words in [
+            ([a, b], "the pipelines must take the same rows, float32[3] (got float32[5])"),
+            ([a, c], "the pipelines' batch dimensions must differ (got [4, 4])"),
+            ([], "a list of batch targets must hold Pipelines or ProcessPipelines (got [])"),
+            ([a, 3], "(got ['Pipeline', 'int'])"),
+        ]:
+            with pytest.raises(hcqa.InvalidCommand) as info:
+                async with hcqa.open_batcher(target):
+                    pytest.fail("opened")
+            assert words in str(info.value)
