@@ -64,12 +64,8 @@ What a worker can't do to the coordinator
 from __future__ import annotations
 
 from hcqa.processes._checks import ProcessStage
-from hcqa.processes.pipeline import (
-    PipelineItem,
-    ProcessPipeline,
-    ProcessPipelineStatistics,
-    open_process_pipeline,
-)
+from hcqa.processes.opening import open_process_pipeline
+from hcqa.processes.pipeline import PipelineItem, ProcessPipeline, ProcessPipelineStatistics
 
 __all__ = [
     "PipelineItem",

@@ -1,13 +1,12 @@
 """The coordinator's side of a process pipeline: ``ProcessPipeline`` and its opening.
 
 Theory of operation: see the package (``hcqa.processes``); this module holds the item
-paths (``__call__``, ``item()``), the set-up handshake with the workers, the watchers
-that turn a worker's death or a stalled stage into a sticky fault, and the close.
+paths (``__call__``, ``item()``), the watchers that turn a worker's death or a stalled
+stage into a sticky fault, and the close; ``opening`` starts and stops the workers.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -22,7 +21,6 @@ import trio
 from hcqa import aio
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.opening import open_device
 from hcqa.errors import (
     DeviceClosed,
     DeviceFault,
@@ -33,26 +31,18 @@ from hcqa.errors import (
 )
 from hcqa.pipeline import check_input
 from hcqa.processes import _items
-from hcqa.processes._checks import ProcessStage, check_arguments, check_fds
+from hcqa.processes._checks import ProcessStage, check_fds
 from hcqa.processes._pool import SlotPool
 from hcqa.processes._spawn import (
-    PR_SET_DUMPABLE,
-    ForkThread,
     WorkerProcess,
-    prctl,
-    spawn_worker,
-    stop_workers,
-    worker_path,
 )
-from hcqa.processes.ipc import PeerGone, offer_signal, recv_message, send_message
+from hcqa.processes.ipc import PeerGone, recv_message
 from hcqa.signals import Signal
 
 __all__ = [
     "PipelineItem",
     "ProcessPipeline",
     "ProcessPipelineStatistics",
-    "ProcessStage",
-    "open_process_pipeline",
 ]
 
 
@@ -239,6 +229,8 @@ class ProcessPipeline:
 
     def _feed(self, k: int) -> None:
         """Item ``k``'s input is in place: ``fed`` moves over the prefix of such items."""
+        if self._closing:
+            return  # the signals are broken (or closed: never write a closed one)
         if self._idle is not None:
             self._idle.set()
             self._idle = None
@@ -254,82 +246,8 @@ class ProcessPipeline:
         if v != sig.value:
             sig._set_from_engine(v)
 
-    # -- set-up ---------------------------------------------------------------------------
-
-    def _stage_signals(self, i: int) -> list[str]:
-        return ["fed" if i == 0 else f"done{i - 1}", f"done{i}"]
-
     def _who(self, worker: WorkerProcess) -> str:
         return f"worker {worker.index} (pid {worker.pid}, stage {self.stages[worker.index].fn!r})"
-
-    async def _died_starting(self, worker: WorkerProcess) -> DeviceFault:
-        with trio.move_on_after(1):
-            await worker.exited.wait()
-        code = worker.returncode
-        status = "still running" if code is None else f"exit status {code}"
-        return DeviceFault(
-            f"{self._who(worker)} died while starting ({status})", device=f"worker{worker.index}"
-        )
-
-    async def _connect(self, worker: WorkerProcess) -> list[int]:
-        """Phase 1: hand the worker its buffers and signals; returns its eventfds."""
-        i = worker.index
-        fds: list[int] = []
-        bufs = []
-        for b in (*self.buffers[i], *self.buffers[i + 1], self.slot_table):
-            fd, meta = b.export()
-            fds.append(fd)
-            bufs.append(meta)
-        sigs = []
-        for name in self._stage_signals(i):
-            meta, sfds = offer_signal(self.signals[name])
-            sigs.append(meta)
-            fds.extend(sfds)
-        header = {
-            "op": "setup",
-            "stage": self.stages[i].fn,
-            "args": self.stages[i].args,
-            "inputs": len(self.buffers[i]),
-            "outputs": len(self.buffers[i + 1]),
-            "column": 1 if i == len(self.stages) - 1 else 0,  # of the slot table
-            "buffers": bufs,
-            "signals": sigs,
-        }
-        try:
-            await send_message(worker.sock, header, fds)
-            reply, eventfds = await recv_message(worker.sock)
-        except (PeerGone, OSError):
-            raise await self._died_starting(worker) from None
-        if reply.get("op") != "ready" or len(eventfds) != 2:
-            for fd in eventfds:
-                os.close(fd)
-            raise DeviceFault(
-                f"{self._who(worker)} failed to set up: {reply.get('error', reply)}",
-                device=f"worker{i}",
-            )
-        return eventfds
-
-    async def _mesh(self, eventfds: list[list[int]]) -> None:
-        """Phase 2: every participant of a signal gets the others' eventfds as peers."""
-        holders: dict[str, list[tuple[int, int]]] = {}
-        for w, fds in zip(self.workers, eventfds, strict=True):
-            for name, fd in zip(self._stage_signals(w.index), fds, strict=True):
-                holders.setdefault(name, []).append((w.index, fd))
-        for name, held in holders.items():
-            for _, fd in held:
-                self.signals[name].add_peer(fd)  # the coordinator wakes every worker copy
-        for w in self.workers:
-            send: list[int] = []
-            names: list[str] = []
-            for name in self._stage_signals(w.index):
-                for j, fd in holders[name]:
-                    if j != w.index:
-                        send.append(fd)
-                        names.append(name)
-            try:
-                await send_message(w.sock, {"op": "peers", "names": names}, send)
-            except (PeerGone, OSError):
-                raise await self._died_starting(w) from None
 
     # -- watchers: a worker's death, a stage's error, a stalled stage, retired slots --------
 
@@ -399,12 +317,14 @@ class ProcessPipeline:
         dones = [self.signals[f"done{i}"] for i in range(n)]
         seen = [-1] * n
         since: list[float | None] = [None] * n  # busy and unchanged since then
-        while True:
+        while self.fault is None and not self._closing:
             if inputs[0].value <= dones[-1].value:
                 self._idle = trio.Event()
                 await self._idle.wait()
             await trio.sleep(limit / 4)
             now = trio.current_time()
+            if self.fault is not None or self._closing:
+                return
             for i in range(n):
                 done = dones[i].value
                 if inputs[i].value <= done:
@@ -483,119 +403,7 @@ class PipelineItem:
         return pipe._outputs[self.slot]
 
     def _check(self) -> None:
+        if self.pipe._closing or self.pipe.fault is not None:
+            raise self.pipe._refusal()
         if self.done:
             raise InvalidCommand(f"item {self.number}'s slot was released (its block ended)")
-
-
-@asynccontextmanager
-async def open_process_pipeline(
-    stages: Sequence[ProcessStage | str],
-    *,
-    in_shape: tuple[int, ...],
-    dtype: npt.DTypeLike = "float32",
-    depth: int = 2,
-    grace: float = 5.0,
-    hang_limit: float = 30.0,
-    blas_threads: int | None = 1,
-    path: Sequence[str] = (),
-    private: bool = False,
-) -> AsyncIterator[ProcessPipeline]:
-    """Start a worker process per stage and yield a :class:`ProcessPipeline` over them.
-
-    ``hang_limit``: a stage with work that finishes nothing for that long faults the
-    pipeline (every waiting call raises :class:`~hcqa.errors.SignalTimeout` naming the
-    stage and its worker's pid) and its workers are killed; ``inf``: no limit.
-    ``grace``: on close, how long items already fed may take to finish, and workers to
-    exit before they are killed. ``path``: directories the workers import stages from,
-    before the coordinator's ``sys.path`` (whose working directory is never used).
-    ``private``: make the coordinator and the workers non-dumpable (``PR_SET_DUMPABLE``
-    0), so other processes of the same user can't reach the shared memory through
-    ``/proc`` -- nor attach a debugger. ``blas_threads`` limits each worker's
-    BLAS/OpenMP pool (None: inherit), so the workers, not BLAS threads, are the unit of
-    parallelism."""
-    specs, shape, dt = check_arguments(
-        stages,
-        in_shape=in_shape,
-        dtype=dtype,
-        depth=depth,
-        grace=grace,
-        hang_limit=hang_limit,
-        blas_threads=blas_threads,
-        path=path,
-    )
-    if aio.asyncio_caller():
-        make = functools.partial(
-            open_process_pipeline,
-            specs,
-            in_shape=shape,
-            dtype=dt,
-            depth=depth,
-            grace=grace,
-            hang_limit=hang_limit,
-            blas_threads=blas_threads,
-            path=path,
-            private=private,
-        )
-        async with aio.hosted(make, "open_process_pipeline") as hosted:
-            yield hosted
-        return
-    sys_path = worker_path(path)
-    if private:
-        prctl(PR_SET_DUMPABLE, 0)
-    pipe: ProcessPipeline | None = None
-    forks: ForkThread | None = None
-    try:
-        async with open_device("cpu:0") as device:
-            pipe = ProcessPipeline(
-                device, specs, in_shape=shape, dtype=dt, depth=depth, hang_limit=hang_limit
-            )
-            error: BaseException | None = None
-            try:
-                async with trio.open_nursery() as nursery:
-                    try:
-                        forks = ForkThread()
-                        for i in range(len(specs)):
-                            worker = await forks.call(
-                                functools.partial(
-                                    spawn_worker, i, blas_threads, sys_path, private=private
-                                )
-                            )
-                            pipe.workers.append(worker)
-                            nursery.start_soon(pipe._watch_exit, worker, name=f"worker {i} exit")
-                        eventfds = [await pipe._connect(w) for w in pipe.workers]
-                        await pipe._mesh(eventfds)
-                        for w in pipe.workers:
-                            nursery.start_soon(pipe._watch, w, name=f"worker {w.index} watch")
-                        nursery.start_soon(pipe._reap, name="process pipeline reaper")
-                        nursery.start_soon(pipe._watchdog, name="process pipeline watchdog")
-                        yield pipe
-                        await pipe._drain(grace)
-                    except BaseException as exc:
-                        error = exc
-                    pipe._close()
-                    with trio.CancelScope(shield=True):
-                        await stop_workers(pipe.workers, grace)
-                    nursery.cancel_scope.cancel()
-            finally:
-                for w in pipe.workers:
-                    w.sock.close()
-                    w.reap()
-                if forks is not None:
-                    forks.close()  # only now: the workers' parent-death signal follows it
-                # Drop our numpy views of the shared memory: an mmap can only unmap (and
-                # close its own dup of the memfd) once no view exports it.
-                for row in pipe.buffers:
-                    for b in row:
-                        b._array = None
-                pipe.buffers = []
-                pipe._inputs, pipe._outputs = [], []
-                pipe.slot_table._array = None
-                pipe._table = np.empty(0, np.int64)
-            if error is not None:
-                raise error
-    finally:
-        # Only now that the device has drained (or dropped) its copies and their
-        # Signal commands may the signals go: an engine must never write a closed one.
-        if pipe is not None:
-            for sig in pipe.signals.values():
-                sig.close()
