@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -301,10 +302,25 @@ async def test_stepped_copies_give_the_loop_back_between_steps() -> None:
 
 
 async def test_a_closed_process_pipeline_refuses_items() -> None:
-    async with open_process_pipeline(["hcqa.workers:identity"], in_shape=(4,)) as pipe:
-        np.testing.assert_array_equal(await pipe(np.ones(4, np.float32)), np.ones(4))
+    async with trio.open_nursery() as nursery:
+        async with open_process_pipeline(["hcqa.workers:identity"], in_shape=(4,)) as pipe:
+            np.testing.assert_array_equal(await pipe(np.ones(4, np.float32)), np.ones(4))
+            held = await nursery.start(_hold_item, pipe)  # an item() block outlives the pipe
     with pytest.raises(hcqa.DeviceClosed, match="closed"):
         await pipe(np.ones(4, np.float32))
+    with pytest.raises(hcqa.DeviceClosed, match="closed"):
+        held.input  # noqa: B018
+    with pytest.raises(hcqa.DeviceClosed, match="closed"):
+        await held.run()
+    with pytest.raises(hcqa.DeviceClosed, match="closed"):
+        async with pipe.item():
+            pass  # pragma: no cover
+
+
+async def _hold_item(pipe: hcqa.ProcessPipeline, task_status: Any) -> None:
+    async with pipe.item() as item:
+        task_status.started(item)
+        await trio.lowlevel.checkpoint()
 
 
 async def test_large_outputs_are_lent_not_copied_and_never_overwritten_while_held() -> None:
