@@ -222,9 +222,9 @@ async def test_a_stopped_worker_ends_every_waiting_call_with_signal_timeout() ->
 
 
 async def test_a_slow_but_progressing_stage_is_not_a_hang() -> None:
-    stage = hcqa.ProcessStage(fn="_stages:sleepy", args={"seconds": 0.15})
+    stage = hcqa.ProcessStage(fn="_stages:sleepy", args={"seconds": 0.2})
     async with open_process_pipeline(
-        [stage], in_shape=(4,), depth=4, hang_limit=0.4, path=[TESTS]
+        [stage], in_shape=(4,), depth=4, hang_limit=1.0, path=[TESTS]
     ) as pipe:
         results: dict[int, Any] = {}
 
@@ -233,7 +233,7 @@ async def test_a_slow_but_progressing_stage_is_not_a_hang() -> None:
 
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
-                for i in range(8):  # 8 x 0.15 s = 1.2 s queued: three limits' worth
+                for i in range(8):  # 8 x 0.2 s = 1.6 s queued: more than a limit
                     nursery.start_soon(call, i)
         for i in range(8):
             np.testing.assert_array_equal(results[i], np.full(4, i + 1.0))
