@@ -345,3 +345,22 @@ async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.Mon
             assert s.value == 2
             assert (await _read(a)).tolist() == [12, 12, 9, 9]
     s.close()
+
+
+def test_rebinding_and_variables_under_asyncio() -> None:
+    import asyncio
+
+    async def main() -> list[int]:
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK)
+            n = Variable("n", 0, 10)
+            x, out, x2, out2 = _i64(d), _i64(d), _i64(d), _i64(d)
+            await x2.copyin(np.full(4, 20, I64))
+            with hcqa.capture() as g:
+                addk(out, x, vals=(n, 4))
+            await g(n=3, buffers={x: x2, out: out2})
+            host = np.zeros(4, I64)
+            await out2.copyout(host)
+            return [int(v) for v in host]
+
+    assert asyncio.run(main()) == [23] * 4
