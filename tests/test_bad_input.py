@@ -293,7 +293,12 @@ def _cases() -> list[Any]:
         C("copyout-bytes", lambda e: e.raw.copyout(bytes(64)), ic, "writable"),
         C("copyout-strided", lambda e: e.a.copyout(np.zeros(2 * N, f32)[::2]), ic, "contiguous"),
         C("copyout-size", lambda e: e.a.copyout(np.zeros(N - 1, f32)), ic, "must be 64 bytes"),
-        C("load-missing", lambda e: e.raw.load(e.path.with_name("nope")), ic, "cannot read", False),
+        C(
+            "load-missing",
+            lambda e: e.raw.load(e.path.with_name("nope")),
+            ic,
+            "must be a readable file",
+        ),
         C("load-neg-offset", lambda e: e.raw.load(e.path, offset=-1), ic, "'offset'"),
         C("load-too-long", lambda e: e.raw.load(e.path, nbytes=65), ic, "'nbytes' must be <="),
         C("load-zero", lambda e: e.raw.load(e.path, nbytes=0), ic, "'nbytes' must be >= 1"),
@@ -441,7 +446,7 @@ def _cases() -> list[Any]:
             "program-entry-int",
             lambda e: e.d0.program("p", ADD1, entry=3),
             ic,
-            "'entry' must be a str",
+            "'entry' must be a non-empty str",
         ),  # type: ignore[arg-type]
         C("tracer-max-events", lambda e: hcqa.Tracer(e.path, max_events=-1), ic, "'max_events'"),
         C("export-not-shared", lambda e: e.raw.export(), ic, "alloc\\(..., shared=True\\)"),

@@ -119,7 +119,10 @@ def test_unsupported_signatures(src: str, match: str) -> None:
 
 
 def test_missing_entry() -> None:
-    msg = "entry 'add1' not found in the C source (expected a function definition 'void add1(...)')"
+    msg = (
+        "entry 'add1' not found in the C source: it must hold a function definition "
+        "'void add1(...)' (got none)"
+    )
     for src in ("void add2(int *x) { }", "void add1(int *x);", "// void add1(int *x) { }"):
         with pytest.raises(InvalidCommand) as info:
             parse_signature(src, "add1")

@@ -249,7 +249,7 @@ async def test_load_errors(tmp_path: Path) -> None:
             buf.load(path, nbytes=0)
         with pytest.raises(InvalidCommand, match="offset"):
             buf.load(path, offset=-1)
-        with pytest.raises(InvalidCommand, match="cannot read"):
+        with pytest.raises(InvalidCommand, match="must be a readable file"):
             buf.load(tmp_path / "missing.bin")
         with pytest.raises(TypeError):
             buf.load(path, offset=1.5)  # type: ignore[arg-type]

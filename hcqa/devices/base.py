@@ -188,6 +188,8 @@ class Device:
         shp = tuple(shape) if isinstance(shape, (tuple, list)) else shape
         n, dt, shp = typed_size(nbytes, dtype, shp)
         offset = check_size("offset", offset)
+        if isinstance(fd, bool) or not isinstance(fd, int):
+            raise InvalidCommand(f"'fd' must be an int file descriptor (got {type(fd).__name__})")
         mem = HostMemory(offset + n, fd=fd)
         self._shared.add(mem)
         whole = Buffer(self, mem, offset + n)
@@ -209,8 +211,8 @@ class Device:
         launch geometry ``gx, gy, gz, lx, ly, lz`` (a Python kernel declares keyword-only
         ``global_size`` / ``local_size`` instead)."""
         self._check_usable()
-        if entry is not None and not isinstance(entry, str):
-            raise InvalidCommand(f"'entry' must be a str or None (got {type(entry).__name__})")
+        if entry is not None and (not isinstance(entry, str) or not entry):
+            raise InvalidCommand(f"'entry' must be a non-empty str or None (got {entry!r})")
         if not isinstance(name, str) or not name:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
         return self._make_program(
@@ -451,7 +453,9 @@ class Device:
         try:  # opened now, so a file the engine could not read is refused here
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
-            raise InvalidCommand(f"load: cannot read {path!r}: {exc.strerror}") from exc
+            raise InvalidCommand(
+                f"load: {path!r} must be a readable file (got: {exc.strerror})"
+            ) from exc
         try:
             st = os.fstat(fd)
         finally:

@@ -203,8 +203,8 @@ def parse_signature(source: str, entry: str) -> tuple[CParam, ...]:
             return ()
         return tuple(_parse_param(entry, n, p.strip()) for n, p in enumerate(body.split(",")))
     raise InvalidCommand(
-        f"entry {entry!r} not found in the C source "
-        f"(expected a function definition 'void {entry}(...)')"
+        f"entry {entry!r} not found in the C source: it must hold a function definition "
+        f"'void {entry}(...)' (got none)"
     )
 
 

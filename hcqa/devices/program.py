@@ -184,6 +184,10 @@ class Program:
     def _positions(self, what: str, positions: Sequence[int]) -> tuple[int, ...]:
         if isinstance(positions, int):
             positions = (positions,)
+        if not isinstance(positions, (tuple, list, range)):
+            raise InvalidCommand(
+                f"{what!r} must be a tuple of buffer positions (got {type(positions).__name__})"
+            )
         out = tuple(positions)
         for p in out:
             if not isinstance(p, int) or isinstance(p, bool) or p < 0:
