@@ -483,10 +483,14 @@ async def test_fault_has_cause_names_program_and_is_sticky() -> None:
         counter = Counter()
         after = d.program("after", counter)
         out = d.alloc(8)
+        gate = hcqa.Signal()  # holds the queue so both are queued before the fault
+        d.compute_queue().wait(gate, 1).submit()
         fence = prog(out)
         queued_after = after(out)
+        gate.value = 1
         with pytest.raises(DeviceFault) as info:
             await fence
+        gate.close()
         fault = info.value
         assert isinstance(fault.__cause__, ValueError)
         assert str(fault.__cause__) == "bad input 42"
