@@ -222,7 +222,7 @@ class Signal:
                 if self._closed:
                     return
                 self._value.value = value
-                if self._waiters or _forked or self._alone:
+                if (self._waiters and self._wakes(value)) or _forked or self._alone:
                     os.eventfd_write(self._fd, 1)
                 for peer in self._peers:
                     os.eventfd_write(peer, 1)
@@ -231,10 +231,20 @@ class Signal:
         if self._closed:
             return
         self._value.value = value
-        if self._waiters or _forked or self._alone:
+        if (self._waiters and self._wakes(value)) or _forked or self._alone:
             os.eventfd_write(self._fd, 1)
         for peer in self._peers:
             os.eventfd_write(peer, 1)
+
+    def _wakes(self, value: int) -> bool:
+        """Whether a write of ``value`` must wake this process's waiters: one of them
+        reached its target. A write that reaches nobody's target (a timeline stepping
+        towards the awaited batch) then costs the event loop no wake-up -- and the
+        engine no fight for the GIL with a loop that would only go back to sleep. No
+        wake-up is lost: a waiter is listed (with its target) before it reads the value,
+        and the value is written before this looks. The snapshot is taken in one C call
+        (no lock on the unguarded path)."""
+        return any(w.target <= value for w in tuple(self._waiters))
 
     # -- sharing with other processes ------------------------------------------------------
 

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import hcqa
 import hcqa.testing as ht
@@ -132,3 +133,41 @@ async def test_doorbell_wakes_for_every_burst_and_is_closed_with_the_device() ->
             assert all(f.reached for f in fences)
         assert int(buf.numpy_view().view(np.int64)[0]) == 75
     assert _fds() == before  # the doorbells went with the engines
+
+
+async def test_writes_below_every_target_do_not_wake_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = Signal(name="stepping")
+    drains = 0
+    drain = Signal._drain
+
+    def counting(self: Signal) -> None:
+        nonlocal drains
+        drains += 1
+        drain(self)
+
+    monkeypatch.setattr(Signal, "_drain", counting)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.wait, 10)
+            nursery.start_soon(s.wait, 5)  # parked behind the owner: woken at 5
+            await trio.testing.wait_all_tasks_blocked()
+            for k in range(1, 11):
+                s.value = k
+                for _ in range(3):  # loop turns: a written eventfd would be seen here
+                    await trio.lowlevel.checkpoint()
+            assert s.value == 10
+        assert drains == 2  # at 5 and at 10, none for the writes below both targets
+    finally:
+        s.close()
+
+
+async def test_a_timeline_wakes_its_waiter_only_at_the_awaited_step() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(8)
+        count = d.program("count", lambda a: a.view(np.int64).__iadd__(1))
+        fences = [count(buf) for _ in range(50)]
+        await fences[-1]
+        assert all(f.reached for f in fences)
+        assert int(buf.numpy_view().view(np.int64)[0]) == 50
