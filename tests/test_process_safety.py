@@ -390,7 +390,12 @@ async def test_open_close_cycles_leak_no_process_fd_mapping_or_thread() -> None:
             await cycles(10)
     gc.collect()
     fds, maps, threads = (len(os.listdir("/proc/self/fd")), _maps(), threading.active_count())
-    assert (fds, threads) == (before[0], before[2]), "fds or threads leaked"
+    assert fds == before[0], f"fds leaked: {before[0]} -> {fds}"
+    # trio's cached worker threads may retire while idle, so the count may fall, never rise;
+    # the pipelines' own threads are checked by name.
+    assert threads <= before[2], f"threads leaked: {before[2]} -> {threads}"
+    forks = [t for t in threading.enumerate() if t.name == "hcqa process-pipeline forks"]
+    assert forks == [], f"fork threads outlived their pipelines: {forks}"
     # Each pipeline maps 6 shared buffers and signal pages: a leak would add >= 50 lines.
     # The allocator may keep a new arena or two across the rounds.
     assert maps - before[1] < 10, f"mappings leaked: {before[1]} -> {maps}"
