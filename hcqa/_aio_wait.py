@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX
 from hcqa._waiters import Waiter
-from hcqa.errors import SignalTimeout
 
 if TYPE_CHECKING:
     from hcqa.signals import Signal
@@ -52,14 +51,7 @@ async def wait_limited(
     while not await _park(sig, target, observe, limit):
         now = sig.value
         if now == seen:
-            where = f"{context}: " if context else ""
-            raise SignalTimeout(
-                f"{where}signal {sig.name!r} did not reach {target} within the hang "
-                f"limit of {hang_limit:g} s (value {now}, no progress)",
-                signal=sig.name,
-                expected=target,
-                seen=now,
-            )
+            raise sig._no_progress(target, now, hang_limit, context)
         seen = now
 
 

@@ -471,15 +471,22 @@ class Signal:
                 return
             now = self.value
             if now == seen:
-                where = f"{context}: " if context else ""
-                raise SignalTimeout(
-                    f"{where}signal {self.name!r} did not reach {target} within the hang "
-                    f"limit of {hang_limit:g} s (value {now}, no progress)",
-                    signal=self.name,
-                    expected=target,
-                    seen=now,
-                )
+                raise self._no_progress(target, now, hang_limit, context)
             seen = now
+
+    def _no_progress(
+        self, target: int, now: int, hang_limit: float | None, context: str
+    ) -> SignalTimeout:
+        """The timeout of a wait that saw no progress for a whole hang limit (trio and
+        asyncio waits raise the same one)."""
+        where = f"{context}: " if context else ""
+        return SignalTimeout(
+            f"{where}signal {self.name!r} did not reach {target} within the hang "
+            f"limit of {hang_limit:g} s (value {now}, no progress)",
+            signal=self.name,
+            expected=target,
+            seen=now,
+        )
 
     async def _park(self, target: int, observe: bool = True) -> None:
         """Park until ``target`` is reached; raise the break error otherwise. Internal
