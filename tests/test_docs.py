@@ -3,12 +3,14 @@
 Every block fenced ```` ```python ```` in README.md and docs/*.md is a complete program and is
 run as written: in a subprocess, in a fresh temporary directory, with a timeout. A block that
 cannot run standalone (a fragment, a server that runs until stopped, a test function) is fenced
-```` ```python notest ```` and skipped. The blocks all start at once (one process each) so the
-suite pays for the slowest block, not for their sum.
+```` ```python notest ```` and skipped; one that needs the optional extra Ray is fenced
+```` ```python ray ```` and runs only where ``ray`` is installed. The blocks all start at
+once (one process each) so the suite pays for the slowest block, not for their sum.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -77,7 +79,8 @@ def _snippets() -> list[Snippet]:
 
 
 SNIPPETS = _snippets()
-RUNNABLE = [s for s in SNIPPETS if s.tag == ""]
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+RUNNABLE = [s for s in SNIPPETS if s.tag == "" or (s.tag == "ray" and HAVE_RAY)]
 
 
 @attrs.frozen(kw_only=True)
@@ -121,8 +124,8 @@ def ran() -> Iterator[dict[str, Ran]]:
 
 
 def test_every_python_block_is_tagged_runnable_or_notest() -> None:
-    unknown = [f"{s.id} ```python{s.tag}" for s in SNIPPETS if s.tag not in ("", "notest")]
-    assert unknown == [], "fence python blocks as ```python or ```python notest"
+    unknown = [f"{s.id} ```python{s.tag}" for s in SNIPPETS if s.tag not in ("", "notest", "ray")]
+    assert unknown == [], "fence python blocks as ```python, ```python notest or ```python ray"
     assert len(RUNNABLE) >= 5, "the snippet extractor found (almost) nothing to run"
 
 

@@ -1,0 +1,415 @@
+"""The driver's side of a Ray pipeline: ``RayPipeline`` (items, faults, the watchdog).
+
+Theory of operation: see the package (``hcqa.ray``); ``opening`` starts and stops the
+segments' actors. This module holds the item path -- callers park on an event, the
+ready items are cut into batches and each batch walks the segments (a Ray call per
+remote segment, chained by ObjectRef; a local process pipeline in the driver) -- and
+turns every way a batch can end into each of its callers' result or one sticky fault.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import ray
+import trio
+
+from hcqa import aio
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, SignalTimeout
+from hcqa.pipeline import check_input
+from hcqa.processes import ProcessPipeline
+from hcqa.ray._checks import Segment
+from hcqa.ray._refs import resolve
+from hcqa.ray._segment import name_fault, run_items
+
+__all__ = ["RayPipeline", "RayPipelineStatistics", "Runner"]
+
+
+@attrs.frozen(kw_only=True)
+class RayPipelineStatistics:
+    """What :meth:`RayPipeline.statistics` reports."""
+
+    stages: int
+    depth: int
+    segments: tuple[str, ...]  # the node id each segment runs on
+    local: tuple[bool, ...]  # which segments run in the driver
+    hosts: tuple[int, ...]  # the pid of the process hosting each segment (actor or driver)
+    in_flight: int  # items taken and not yet out of the last segment
+    batches: int  # batches sent so far (one Ray call per remote segment each)
+    completed: int  # items that left the last segment
+    faulted: bool
+
+
+@attrs.define(eq=False)
+class Runner:
+    """A segment at run time: a Ray actor, or a process pipeline in the driver."""
+
+    segment: Segment
+    node: str = ""
+    ip: str = ""
+    actor: Any = None  # a Ray ActorHandle of SegmentActor
+    pipe: ProcessPipeline | None = None
+    pid: int = 0
+    workers: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        where = f"Ray node {self.node} ({self.ip})" if self.ip else f"Ray node {self.node}"
+        if self.pipe is not None:
+            where += ", in the driver"
+        return f"{self.segment.describe()} on {where}"
+
+    def named(self, exc: HcqaError) -> HcqaError:
+        return name_fault(exc, self.segment.first, self.segment.stages, self.node, self.ip)
+
+
+@attrs.define(eq=False)
+class _Item:
+    x: npt.NDArray[Any]
+    event: trio.Event = attrs.Factory(trio.Event)
+    value: npt.NDArray[Any] | None = None
+    error: BaseException | None = None
+
+    def finish(self, value: npt.NDArray[Any] | None, error: BaseException | None) -> None:
+        if not self.event.is_set():
+            self.value, self.error = value, error
+            self.event.set()
+
+
+@attrs.define(eq=False)
+class _Batch:
+    items: list[_Item]
+    at: Runner | None = None  # the local segment it is in, if any
+    hops: list[tuple[Runner, Any]] = attrs.Factory(list)  # remote calls: (runner, ObjectRef)
+    ready: int = 0  # hops the watchdog has seen finished (a prefix)
+
+
+class RayPipeline:
+    """Items through stages placed on Ray nodes: ``await pipe(x)``."""
+
+    def __init__(
+        self,
+        runners: Sequence[Runner],
+        *,
+        stages: int,
+        in_shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        depth: int,
+        hang_limit: float,
+    ) -> None:
+        self.runners = tuple(runners)
+        self.stages = stages
+        self.in_shape = in_shape
+        self.dtype = dtype
+        self.depth = depth
+        self.hang_limit = float(hang_limit)
+        self.capacity = depth * len(self.runners)  # items in flight at most
+        self.fault: HcqaError | None = None
+        self.completed = 0
+        self.batches = 0
+        self._taken = 0
+        self._slot_waiters: deque[trio.Event] = deque()
+        self._pending: list[_Item] = []
+        self._flush_scheduled = False
+        self._in_flight: list[_Batch] = []  # oldest first
+        self._nursery: trio.Nursery | None = None
+        self._closing = False
+        self._progress = 0.0  # when a batch last moved (or the pipeline went busy)
+        self._idle: trio.Event | None = None  # the watchdog sleeps on it while idle
+        self._empty: trio.Event | None = None  # a drain waits on it
+
+    def statistics(self) -> RayPipelineStatistics:
+        """A frozen snapshot: where the segments run, items in flight, batches sent."""
+        return RayPipelineStatistics(
+            stages=self.stages,
+            depth=self.depth,
+            segments=tuple(r.node for r in self.runners),
+            local=tuple(r.pipe is not None for r in self.runners),
+            hosts=tuple(r.pid for r in self.runners),
+            in_flight=self._taken,
+            batches=self.batches,
+            completed=self.completed,
+            faulted=self.fault is not None,
+        )
+
+    def __repr__(self) -> str:
+        return f"<RayPipeline {self.stages} stages in {len(self.runners)} segments>"
+
+    # -- items ------------------------------------------------------------------------------
+
+    async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
+        """Run one item through every stage; returns the last stage's output (an array
+        Ray deserialized: read-only when it came from Ray's object store)."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, x)
+        arr = check_input(x, self.in_shape, self.dtype)
+        await self._take()
+        item = _Item(arr)
+        self._pending.append(item)
+        if not self._flush_scheduled:
+            assert self._nursery is not None
+            self._flush_scheduled = True
+            self._nursery.start_soon(self._flush, name="ray pipeline batch")
+        # A cancelled caller leaves its item to finish (and be dropped); its slot comes
+        # back when the item's batch ends, never earlier.
+        await item.event.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.value is not None
+        return item.value
+
+    def _refusal(self) -> HcqaError:
+        if self.fault is not None:
+            return self.fault
+        return DeviceClosed("the Ray pipeline is closed")
+
+    async def _take(self) -> None:
+        """One of ``capacity`` places in flight (FIFO while all are taken)."""
+        if self._closing or self.fault is not None:
+            raise self._refusal()
+        if self._taken < self.capacity and not self._slot_waiters:
+            self._taken += 1
+            await trio.lowlevel.checkpoint()
+            return
+        event = trio.Event()
+        self._slot_waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event in self._slot_waiters:
+                self._slot_waiters.remove(event)
+            elif not (self._closing or self.fault is not None):
+                self._give(1)  # handed a place just as it was cancelled: pass it on
+            raise
+        if self._closing or self.fault is not None:
+            raise self._refusal()
+
+    def _give(self, n: int) -> None:
+        """``n`` places come back: straight to the first waiters."""
+        self._taken -= n
+        while self._slot_waiters and self._taken < self.capacity:
+            self._taken += 1
+            self._slot_waiters.popleft().set()
+
+    async def _flush(self) -> None:
+        """Every item ready now, in batches of at most ``depth``: one Ray call per remote
+        segment per batch."""
+        self._flush_scheduled = False
+        items, self._pending = self._pending, []
+        batches = [_Batch(items[i : i + self.depth]) for i in range(0, len(items), self.depth)]
+        if not self._in_flight:
+            self._progress = trio.current_time()
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
+        self._in_flight.extend(batches)
+        assert self._nursery is not None
+        for b in batches[1:]:
+            self._nursery.start_soon(self._run, b, name="ray pipeline batch")
+        if batches:
+            await self._run(batches[0])
+
+    async def _run(self, batch: _Batch) -> None:
+        self.batches += 1
+        value: Any = [it.x for it in batch.items]
+        outcome: BaseException | list[npt.NDArray[Any]] | None = None
+        try:
+            for r in self.runners:
+                if r.pipe is not None:
+                    if isinstance(value, ray.ObjectRef):
+                        value = await resolve(value)
+                        self._moved()
+                    batch.at = r
+                    try:
+                        value = await run_items(r.pipe, value)
+                    except HcqaError as exc:
+                        raise r.named(exc) from None
+                    batch.at = None
+                    self._moved()
+                else:
+                    value = r.actor.run.remote(value)
+                    batch.hops.append((r, value))
+            if isinstance(value, ray.ObjectRef):
+                value = await resolve(value)
+            if not isinstance(value, list) or len(value) != len(batch.items):
+                raise DeviceFault(
+                    f"the last segment returned {type(value).__name__} for a batch of "
+                    f"{len(batch.items)} items (expected a list of arrays)"
+                )
+            outcome = value
+        except ray.exceptions.RayError as exc:  # before HcqaError: Ray's may subclass both
+            outcome = self._ray_fault(exc, batch)
+        except HcqaError as exc:
+            outcome = exc
+        except BaseException as exc:  # cancelled at close, or a bug: never handed over raw
+            if self._closing or not isinstance(exc, Exception):
+                outcome = DeviceClosed("the Ray pipeline is closed")
+            else:
+                outcome = DeviceFault(f"the Ray pipeline failed a batch: {exc!r}")
+                outcome.__cause__ = exc
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._end(batch, outcome)
+
+    def _end(self, batch: _Batch, outcome: BaseException | list[npt.NDArray[Any]] | None) -> None:
+        if batch in self._in_flight:
+            self._in_flight.remove(batch)
+        if isinstance(outcome, list):
+            for it, v in zip(batch.items, outcome, strict=True):
+                it.finish(v, None)
+            self.completed += len(batch.items)
+            self._moved()
+        else:
+            error = outcome if outcome is not None else self._refusal()
+            if isinstance(error, HcqaError) and not self._closing:
+                self._fault(error)
+            for it in batch.items:
+                it.finish(None, self.fault or error)
+        self._give(len(batch.items))
+        if not self._in_flight and self._empty is not None:
+            self._empty.set()
+
+    def _moved(self) -> None:
+        self._progress = trio.current_time()
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def _runner_of(self, exc: BaseException, batch: _Batch) -> Runner | None:
+        actor_id = getattr(exc, "actor_id", None)
+        if actor_id:
+            for r in self.runners:
+                if r.actor is not None and r.actor._actor_id.hex() == actor_id:
+                    return r
+        return batch.hops[-1][0] if batch.hops else None
+
+    def _ray_fault(self, exc: BaseException, batch: _Batch) -> HcqaError:
+        """Ray's error for a batch as an hcqa error naming the segment and its node."""
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, HcqaError):
+            return cause  # raised by a SegmentActor: names its stage and node already
+        r = self._runner_of(exc, batch)
+        who = r.describe() if r is not None else "a segment of the Ray pipeline"
+        if isinstance(exc, ray.exceptions.RayActorError):
+            what = "its Ray actor died or is unreachable"
+        else:
+            what = "Ray failed it"
+        first = str(exc).strip().splitlines()
+        detail = first[0] if first else ""
+        fault = DeviceFault(
+            f"{who}: {what} ({type(exc).__name__}: {detail})", device=r.node if r else ""
+        )
+        fault.__cause__ = exc
+        return fault
+
+    def _fault(self, fault: HcqaError) -> None:
+        """Sticky: every waiting call, and every later one, raises ``fault``; the actors
+        are killed."""
+        if self.fault is not None:
+            return
+        self.fault = fault
+        for b in self._in_flight:
+            for it in b.items:
+                it.finish(None, fault)
+        for it in self._pending:
+            it.finish(None, fault)
+        while self._slot_waiters:
+            self._slot_waiters.popleft().set()
+        if self._idle is not None:
+            self._idle.set()
+        if self._nursery is not None:
+            self._nursery.start_soon(self._kill, name="ray pipeline kill")
+
+    async def _kill(self) -> None:
+        actors = [r.actor for r in self.runners if r.actor is not None]
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(_kill_actors, actors)
+
+    async def _watchdog(self) -> None:
+        """No batch moved for ``hang_limit`` while items are in flight: the pipeline hangs.
+
+        Sleeps while idle; else wakes every quarter limit. A batch moves when it leaves
+        a segment: a local one (seen directly) or a remote one (its ObjectRef is ready:
+        asked of Ray with a zero timeout, off the loop, only on these ticks)."""
+        limit = self.hang_limit
+        if math.isinf(limit):
+            return
+        while self.fault is None and not self._closing:
+            if not self._in_flight:
+                self._idle = trio.Event()
+                await self._idle.wait()
+                continue
+            await trio.sleep(limit / 4)
+            if self.fault is not None or self._closing:
+                return
+            refs = [ref for b in self._in_flight for _, ref in b.hops[b.ready :]]
+            if refs:
+                ready, _ = await trio.to_thread.run_sync(_ready, refs)
+                done = {id(r) for r in ready}
+                for b in self._in_flight:
+                    while b.ready < len(b.hops) and id(b.hops[b.ready][1]) in done:
+                        b.ready += 1
+                        self._moved()
+            if self._in_flight and trio.current_time() - self._progress >= limit:
+                self._hang(self._in_flight[0])
+                return
+
+    def _hang(self, batch: _Batch) -> None:
+        if batch.at is not None:
+            r = batch.at
+        elif batch.ready < len(batch.hops):
+            r = batch.hops[batch.ready][0]
+        else:
+            r = self.runners[-1]
+        self._fault(
+            SignalTimeout(
+                f"{r.describe()} made no progress for {self.hang_limit:g} s: a batch of "
+                f"{len(batch.items)} items entered it and did not leave; the pipeline is "
+                "faulted and its actors killed",
+                signal=f"segment{r.segment.index}",
+                expected=1,
+                seen=0,
+                device=r.node,
+            )
+        )
+
+    # -- closing ---------------------------------------------------------------------------
+
+    async def _drain(self, grace: float) -> None:
+        """A normal exit: let the items in flight finish (within ``grace``)."""
+        with trio.move_on_after(grace):
+            while (self._in_flight or self._pending) and self.fault is None:
+                self._empty = trio.Event()
+                await self._empty.wait()
+
+    def _close(self) -> None:
+        """Every waiting call raises DeviceClosed (or the fault); every later one too."""
+        self._closing = True
+        refusal = self._refusal()
+        for b in self._in_flight:
+            for it in b.items:
+                it.finish(None, refusal)
+        for it in self._pending:
+            it.finish(None, refusal)
+        while self._slot_waiters:
+            self._slot_waiters.popleft().set()
+        if self._idle is not None:
+            self._idle.set()
+
+
+def _ready(refs: list[Any]) -> tuple[list[Any], list[Any]]:
+    ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    return list(ready), list(rest)
+
+
+def _kill_actors(actors: Sequence[Any]) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone, or Ray is shutting down
+            pass

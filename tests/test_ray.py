@@ -1,0 +1,322 @@
+"""Ray pipelines (hcqa.ray) on a local three-node Ray cluster on this one machine.
+
+Skipped when ``ray`` is not installed (it is the optional extra ``hcqa[ray]``). One
+cluster for the module (a head node with resource ``head``, nodes with ``b`` and
+``c``); the killed-node test adds and removes a node of its own. Cost on a 2-core host:
+~15 s for the cluster, ~1-3 s per pipeline opened (an actor per remote segment, a
+worker process per stage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+ray = pytest.importorskip("ray", reason="Ray is the optional extra hcqa[ray]; not installed")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, SignalTimeout  # noqa: E402
+from hcqa.processes import ProcessStage  # noqa: E402
+from hcqa.ray import open_ray_pipeline  # noqa: E402
+
+TESTS = str(Path(__file__).parent)
+STORE = 80 * 1024 * 1024  # object store per node (Ray's minimum is 75 MiB)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "resources": {"head": 1},
+            "object_store_memory": STORE,
+            "include_dashboard": False,
+        },
+    )
+    try:
+        c.add_node(num_cpus=1, resources={"b": 2}, object_store_memory=STORE)
+        c.add_node(num_cpus=1, resources={"c": 2}, object_store_memory=STORE)
+        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def node_of(c: Cluster, resource: str) -> Any:
+    """The cluster's (alive) node that has ``resource``."""
+    ids = {n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]}
+    for n in c.list_all_nodes():
+        if n.node_id in ids:
+            return n
+    raise AssertionError(f"no node with resource {resource!r}")
+
+
+def raylet_pid(node: Any) -> int:
+    return int(node.all_processes["raylet"][0].process.pid)
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def tagged(slot: int) -> ProcessStage:
+    return ProcessStage(fn="_ray_stages:tagged", args={"slot": slot, "tags": 12})
+
+
+async def wait_exited(pid: int) -> None:
+    """Until process ``pid`` has exited (a pidfd: woken by the kernel)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_results_and_placement(cluster: Cluster) -> None:
+    """Stages on the driver's node, on a node given by id and on one given by resources:
+    results match numpy and each stage ran in a worker of the segment's host, whose
+    parent is the raylet of the node it was placed on."""
+    head, b = node_of(cluster, "head"), node_of(cluster, "b")
+    placement = [head.node_id, head.node_id, b.node_id, {"resources": {"c": 1}}]
+    stages = [tagged(12 + i) for i in range(4)]
+    async with open_ray_pipeline(
+        stages, placement=placement, in_shape=(16,), dtype="float64", depth=4, path=[TESTS]
+    ) as pipe:
+        stats = pipe.statistics()
+        assert stats.local == (True, False, False)
+        assert stats.segments[:2] == (head.node_id, b.node_id)
+        assert stats.segments[2] == node_of(cluster, "c").node_id
+        assert stats.hosts[0] == os.getpid()
+        assert parent_pid(stats.hosts[1]) == raylet_pid(b)
+        assert parent_pid(stats.hosts[2]) == raylet_pid(node_of(cluster, "c"))
+        hosts = [stats.hosts[0], stats.hosts[0], stats.hosts[1], stats.hosts[2]]
+
+        async def caller(j: int, out: list[bool]) -> None:
+            for i in range(5):
+                x = np.arange(16, dtype=np.float64) * (j + 1) + i
+                y = await pipe(x)
+                want = x.copy()
+                for _ in range(4):
+                    want = want * 2 + 1
+                assert np.array_equal(y[:12], want[:12])
+                assert list(y[12:]) == hosts
+            out.append(True)
+
+        done: list[bool] = []
+        async with trio.open_nursery() as nursery:
+            for j in range(6):
+                nursery.start_soon(caller, j, done)
+        assert len(done) == 6
+        assert pipe.statistics().completed == 30
+
+
+async def test_large_items_concurrent_callers(cluster: Cluster) -> None:
+    """1 MiB items through two remote nodes, several callers at once: exact results."""
+    b, c = node_of(cluster, "b"), node_of(cluster, "c")
+    stages = ["hcqa.processes.stages:add_one"] * 4
+    rng = np.random.default_rng(7)
+    async with open_ray_pipeline(
+        stages,
+        placement=[b.node_id, b.node_id, c.node_id, c.node_id],
+        in_shape=(512, 512),
+        depth=3,
+    ) as pipe:
+
+        async def caller(x: np.ndarray[Any, Any], results: list[bool]) -> None:
+            y = await pipe(x)
+            results.append(bool(np.array_equal(y, x + 4)))
+
+        results: list[bool] = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                x = rng.integers(-1000, 1000, (512, 512)).astype(np.float32)
+                nursery.start_soon(caller, x, results)
+        assert results == [True] * 8
+        assert pipe.statistics().batches < 8 * 2  # items ready together share Ray calls
+
+
+async def test_stage_raises_is_sticky_fault_naming_node_and_stage(cluster: Cluster) -> None:
+    b = node_of(cluster, "b")
+    stages = ["hcqa.processes.stages:add_one", "_ray_stages:fail_on_negative"]
+    async with open_ray_pipeline(
+        stages, placement=[b.node_id, b.node_id], in_shape=(16,), path=[TESTS]
+    ) as pipe:
+        x = np.zeros(16, np.float32)
+        assert np.array_equal(await pipe(x), x + 1)
+        with pytest.raises(DeviceFault) as info:
+            await pipe(np.full(16, -5, np.float32))
+        message = str(info.value)
+        assert "stage 1 ('_ray_stages:fail_on_negative')" in message
+        assert b.node_id in message
+        assert "negative input -4.0" in message
+        with pytest.raises(DeviceFault) as again:
+            await pipe(x)
+        assert again.value is info.value
+        assert pipe.statistics().faulted
+
+
+async def test_cancelled_callers_leave_others_exact(cluster: Cluster) -> None:
+    b = node_of(cluster, "b")
+    async with open_ray_pipeline(
+        ["hcqa.processes.stages:add_one"] * 2,
+        placement=[b.node_id, {"resources": {"c": 1}}],
+        in_shape=(16,),
+        depth=2,
+    ) as pipe:
+        results: dict[int, bool] = {}
+
+        async def caller(j: int) -> None:
+            x = np.full(16, j, np.float32)
+            y = await pipe(x)
+            results[j] = bool(np.array_equal(y, x + 2))
+
+        scopes: list[trio.CancelScope] = []
+
+        async def cancellable(j: int) -> None:
+            with trio.CancelScope() as scope:
+                scopes.append(scope)
+                await caller(j)
+
+        async with trio.open_nursery() as nursery:
+            for j in range(10):
+                nursery.start_soon(cancellable if j % 2 else caller, j)
+            await trio.testing.wait_all_tasks_blocked()
+            for scope in scopes:
+                scope.cancel()
+        assert all(results.get(j) for j in range(0, 10, 2))  # uncancelled: exact
+        assert all(results.values())  # a cancelled one that finished first: exact too
+        for j in range(20, 24):
+            await caller(j)
+            assert results[j]
+
+
+def test_same_calls_under_asyncio(cluster: Cluster) -> None:
+    b = node_of(cluster, "b")
+
+    async def main() -> list[bool]:
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"] * 2,
+            placement=[b.node_id, {"resources": {"c": 1}}],
+            in_shape=(16,),
+        ) as pipe:
+            xs = [np.full(16, j, np.float32) for j in range(6)]
+            ys = await asyncio.gather(*(pipe(x) for x in xs))
+            return [bool(np.array_equal(y, x + 2)) for x, y in zip(xs, ys, strict=True)]
+
+    assert asyncio.run(main()) == [True] * 6
+
+
+async def test_open_close_cycles_free_actors_and_resources(cluster: Cluster) -> None:
+    total = ray.cluster_resources()["b"]
+    for i in range(10):
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"],
+            placement=[{"resources": {"b": 1}}],
+            in_shape=(4,),
+        ) as pipe:
+            assert ray.available_resources().get("b", 0) == total - 1
+            assert np.array_equal(await pipe(np.full(4, i, np.float32)), np.full(4, i + 1))
+            host = pipe.statistics().hosts[0]
+        with trio.fail_after(10):
+            await wait_exited(host)
+        assert ray.available_resources().get("b", 0) == total
+
+
+async def test_killed_node_ends_every_waiting_call(cluster: Cluster) -> None:
+    node = cluster.add_node(num_cpus=1, resources={"doomed": 1}, object_store_memory=STORE)
+    await trio.to_thread.run_sync(cluster.wait_for_nodes)
+    b = node_of(cluster, "b")
+    errors: list[BaseException] = []
+    async with open_ray_pipeline(
+        ["hcqa.processes.stages:add_one", "_ray_stages:slow"],
+        placement=[b.node_id, node.node_id],
+        in_shape=(16,),
+        depth=2,
+        hang_limit=4.0,
+        path=[TESTS],
+    ) as pipe:
+
+        async def caller(j: int) -> None:
+            try:
+                await pipe(np.full(16, j, np.float32))
+            except HcqaError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for j in range(3):
+                    nursery.start_soon(caller, j)
+                await trio.testing.wait_all_tasks_blocked()
+                await trio.to_thread.run_sync(cluster.remove_node, node)
+        assert len(errors) == 3
+        assert all(e is errors[0] for e in errors)
+        assert isinstance(errors[0], (DeviceFault, SignalTimeout))
+        assert node.node_id in str(errors[0])
+        assert "stage 1 ('_ray_stages:slow')" in str(errors[0])
+        with pytest.raises(HcqaError) as later:
+            await pipe(np.zeros(16, np.float32))
+        assert later.value is errors[0]
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        (["x"], "'placement' must have one entry per stage (got 1 for 2 stages)"),
+        ("abc", "'placement' must be a list with one entry per stage"),
+        (["zz", "ab"], "placement 0 must be a Ray node id"),
+        (["ab" * 28, "ab" * 28], "placement 0 must be the id of an alive Ray node"),
+        ([{"resources": {"nowhere": 1}}] * 2, "placement 0's resources must fit on one alive"),
+        ([{"resources": {"b": 3}}] * 2, "(asked b=3; the most any node has: b=2)"),
+        ([{"resources": {"b": 0}}] * 2, "placement 0's resource 'b' must be a number > 0"),
+        ([{"cpus": 1}] * 2, "placement 0 must be {'resources'"),
+    ],
+)
+async def test_bad_placement_refused_before_any_actor(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, placement: Any, message: str
+) -> None:
+    def no_actor(*args: Any) -> None:
+        raise AssertionError("an actor was started")
+
+    monkeypatch.setattr("hcqa.ray.opening._start_actor", no_actor)
+    with pytest.raises(InvalidCommand) as info:
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"] * 2, placement=placement, in_shape=(4,)
+        ):
+            pass
+    assert message in str(info.value)
+
+
+async def test_ray_not_initialised_refused(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(InvalidCommand, match="needs a connected Ray driver"):
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"], placement=[{"resources": {"b": 1}}], in_shape=(4,)
+        ):
+            pass
+
+
+async def test_closed_pipeline_refuses(cluster: Cluster) -> None:
+    async with open_ray_pipeline(
+        ["hcqa.processes.stages:add_one"], placement=[{"resources": {"c": 1}}], in_shape=(4,)
+    ) as pipe:
+        pass
+    with pytest.raises(DeviceClosed):
+        await pipe(np.zeros(4, np.float32))
