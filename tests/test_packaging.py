@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -17,10 +18,19 @@ def _names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
-def _module_level_imports() -> set[str]:
-    """Top-level modules imported at module level (not inside functions) anywhere in hcqa/."""
+# Subpackages that are an optional extra: their imports may come from that extra, and
+# nothing outside them may import them at module level (the core imports without it).
+EXTRA_PACKAGES = {"ray": "ray"}  # hcqa/ray/ -> the [ray] extra
+
+
+def _module_level_imports(extra: str | None = None) -> set[str]:
+    """Top-level modules imported at module level (not inside functions) in hcqa/: outside
+    the extras' subpackages, or (``extra``) inside that extra's subpackage."""
     found = set()
     for path in (ROOT / "hcqa").rglob("*.py"):
+        part = path.relative_to(ROOT / "hcqa").parts[0]
+        if EXTRA_PACKAGES.get(part) != extra:
+            continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Import):
                 found |= {alias.name.split(".")[0] for alias in node.names}
@@ -29,15 +39,29 @@ def _module_level_imports() -> set[str]:
     return found - set(sys.stdlib_module_names) - {"hcqa", "__future__"}
 
 
-def test_every_module_level_import_is_a_declared_dependency() -> None:
+def _undeclared(imports: set[str], declared: set[str]) -> dict[str, list[str]]:
     dists = importlib.metadata.packages_distributions()
-    core = _names(PROJECT["dependencies"])
-    undeclared = {
+    return {
         mod: dists.get(mod, [mod])
-        for mod in _module_level_imports()
-        if not {d.lower() for d in dists.get(mod, [mod])} & core
+        for mod in imports
+        if not {d.lower() for d in dists.get(mod, [mod])} & declared
     }
+
+
+def test_every_module_level_import_is_a_declared_dependency() -> None:
+    core = _names(PROJECT["dependencies"])
+    undeclared = _undeclared(_module_level_imports(), core)
     assert undeclared == {}, "import these lazily or declare them in [project] dependencies"
+    for extra in set(EXTRA_PACKAGES.values()):
+        declared = core | _names(PROJECT["optional-dependencies"][extra])
+        assert _undeclared(_module_level_imports(extra), declared) == {}, extra
+
+
+def test_the_core_imports_without_the_extras() -> None:
+    code = "import sys, hcqa, hcqa.aio, hcqa.processes; print(sorted(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = set(ast.literal_eval(out.stdout))
+    assert {"ray", "hcqa.ray"} & modules == set()
 
 
 def test_demo_only_dependencies_are_an_extra() -> None:
