@@ -7,7 +7,9 @@ wake-up and close its eventfd with the device.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -175,3 +177,103 @@ async def test_a_timeline_wakes_its_waiter_only_at_the_awaited_step() -> None:
         await fences[-1]
         assert all(f.reached for f in fences)
         assert int(buf.numpy_view().view(np.int64)[0]) == 50
+
+
+# -- a program's launch record (the repeat-call fast path) ------------------------------------
+
+SETV_C = "void setv(unsigned char *out, int v) { out[0] = (unsigned char)v; }\n"
+
+
+async def test_repeat_calls_reuse_the_record_and_still_run_with_their_own_arguments() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a, b = d.alloc(8), d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        await setv(a, vals=(5,))
+        record = setv._launch
+        assert record is not None
+        await setv(a, vals=(5,))
+        assert setv._launch is record  # matched: no new record
+        assert a.numpy_view()[0] == 5
+        await setv(a, vals=[7])  # equal ints in a list: vals compared, not reused
+        assert a.numpy_view()[0] == 7
+        await setv(b, vals=(7,))  # another buffer: a new record, the right address
+        assert b.numpy_view()[0] == 7
+        vals = [9]
+        await setv(b, vals=vals)
+        vals[0] = 11  # a list changed in place after a call is seen on the next
+        await setv(b, vals=vals)
+        assert b.numpy_view()[0] == 11
+        await setv(b, vals=(np.int32(12),))  # numpy ints take the checked path, accepted
+        assert b.numpy_view()[0] == 12
+
+
+async def test_repeat_calls_refuse_exactly_what_a_first_call_refuses() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a = d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        await setv(a, vals=(1,))
+        with pytest.raises(hcqa.InvalidCommand, match="val 0 must be an int"):
+            setv(a, vals=(True,))  # equal to 1, but a bool
+        with pytest.raises(hcqa.InvalidCommand, match="val 0 must be an int"):
+            setv(a, vals=(1.0,))
+        with pytest.raises(hcqa.InvalidCommand, match="must be in"):
+            setv(a, vals=(2**40,))
+        with pytest.raises(hcqa.InvalidCommand, match="can't receive 'global_size'"):
+            setv(a, vals=(1,), global_size=(2, 1, 1))
+        await setv(a, vals=(1,))  # the record still serves
+        a.free()
+        with pytest.raises(hcqa.InvalidCommand, match="was freed"):
+            setv(a, vals=(1,))
+        assert d.timeline.value == d._timeline.reserved  # nothing queued by a refusal
+
+
+async def test_repeat_calls_on_a_faulted_or_closed_device_raise_its_error() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(8)
+        fail = [False]
+
+        def flaky(a: object) -> None:
+            if fail[0]:
+                raise ht.InjectedFault("flaky kernel")
+
+        prog = d.program("flaky", flaky)
+        await prog(buf)
+        fail[0] = True
+        with pytest.raises(DeviceFault) as info:
+            await prog(buf)  # a recorded call
+        with pytest.raises(DeviceFault) as again:
+            prog(buf)  # sticky: the record does not skip the device check
+        assert again.value is info.value
+    with pytest.raises(hcqa.DeviceClosed):
+        prog(buf)
+
+
+async def test_launch_record_holds_its_buffers_weakly() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        noop = d.program("noop", lambda a: None)
+        flush = d.program("flush", lambda a: None)
+        buf = d.alloc(4096)
+        await noop(buf)
+        assert noop._launch is not None
+        await flush(d.alloc(8))  # the engine has moved on to another run: it holds none of buf
+        ref = weakref.ref(buf)
+        del buf
+        gc.collect()
+        assert ref() is None  # the program kept no buffer alive
+        again = d.alloc(4096)  # maybe at the same address: a new record, not the old one
+        await noop(again)
+        assert noop._launch is not None and noop._launch.buffers[0]() is again
+
+
+async def test_a_recorded_call_inside_a_capture_is_captured_not_run() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a = d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        await setv(a, vals=(3,))
+        with hcqa.capture() as g:
+            setv(a, vals=(3,))
+        a.numpy_view()[0] = 0
+        await d.synchronize()
+        assert a.numpy_view()[0] == 0  # recorded, not run
+        await g()
+        assert a.numpy_view()[0] == 3

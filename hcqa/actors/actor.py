@@ -136,8 +136,14 @@ class QueueActor:
         not inside a batch -- goes straight to the engine: all the actor would do
         is forward it, and the engine's FIFO keeps the order just the same. ``waits``
         says whether the batch holds a Wait, when the caller knows (else it is scanned)."""
+        self.send_commands(batch.commands, waits, batch)
+
+    def send_commands(
+        self, commands: list[Any], waits: bool | None = None, batch: Batch | None = None
+    ) -> None:
+        """:meth:`send_nowait` for a list of commands: the :class:`Batch` message is only
+        made when the batch goes through the channel (not when it skips the actor)."""
         if self.sent == self.received and not self._busy and not self._closed:
-            commands = batch.commands
             if waits is None:
                 waits = any(type(c) is cmd.Wait for c in commands)
             if not waits:
@@ -146,7 +152,7 @@ class QueueActor:
                 self.received += 1
                 self.direct += 1
                 return
-        self._send.send_nowait(batch)
+        self._send.send_nowait(batch if batch is not None else Batch(commands))
         self.sent += 1
 
     async def wait_for_space(self) -> None:

@@ -157,6 +157,7 @@ class Engine:
                 hook = trace_hook  # tracing: one global read per run
                 table = handlers if hook is None else hook.engine_run(self, run, handlers)
                 self._execute(run, table)
+                del run  # not kept alive while asleep: its buffers and host arrays are freed
         except BaseException as exc:  # an error outside any handler: the thread dies
             died = exc
             raise

@@ -37,7 +37,7 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
-from hcqa.actors import Batch, Engine, QueueActor, QueueStatistics
+from hcqa.actors import Engine, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
@@ -390,7 +390,7 @@ class Device:
         if inline:
             actor.run_inline(batch)
         else:
-            actor.send_nowait(Batch(batch), waits)
+            actor.send_commands(batch, waits)
         for b in reads:
             b._hazards.reads[actor] = value
         for b in writes:
@@ -409,9 +409,15 @@ class Device:
         return seq, steps
 
     def _enqueue_exec(
-        self, exec_: cmd.Exec, *, timed: tuple[Signal, Signal] | None = None
+        self,
+        exec_: cmd.Exec,
+        *,
+        timed: tuple[Signal, Signal] | None = None,
+        concrete: bool = False,
     ) -> Fence:
-        if current_capture() is None:
+        """Submit one Exec to the compute queue. ``concrete``: the caller knows every
+        val and size is an int (a program's launch record)."""
+        if not concrete and current_capture() is None:
             for v in (*exec_.vals, *exec_.global_size, *exec_.local_size):
                 if not isinstance(v, int):
                     raise InvalidCommand(

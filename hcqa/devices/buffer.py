@@ -102,24 +102,30 @@ def hazard_waits(
 ) -> list[cmd.Wait]:
     """The Waits a batch on ``actor`` needs before it reads ``reads`` and writes
     ``writes``: on other queues' unfinished writes (and, for a write, reads); one per
-    queue, for the highest value needed; none for what is already done."""
+    queue, for the highest value needed; none for what is already done. (Called on
+    every enqueue: uses recorded by ``actor`` itself cost no call.)"""
     need: dict[QueueActor, int] = {}
-
-    def after(q: QueueActor, v: int) -> None:
-        if q is not actor and q.signal.value < v and need.get(q, 0) < v:
-            need[q] = v
-
     for b in reads:
         w = b._hazards.write
-        if w is not None:
-            after(*w)
+        if w is not None and w[0] is not actor:
+            _after(need, *w)
     for b in writes:
         hz = b._hazards
-        if hz.write is not None:
-            after(*hz.write)
+        w = hz.write
+        if w is not None and w[0] is not actor:
+            _after(need, *w)
         for q, v in hz.reads.items():
-            after(q, v)
+            if q is not actor:
+                _after(need, q, v)
+    if not need:
+        return []
     return [cmd.Wait(signal=q.signal, value=v) for q, v in need.items()]
+
+
+def _after(need: dict[QueueActor, int], q: QueueActor, v: int) -> None:
+    """Wait for ``q`` to reach ``v`` (unless it has, or a higher wait on it is needed)."""
+    if q.signal.value < v and need.get(q, 0) < v:
+        need[q] = v
 
 
 def _free(device: Device, mem: HostMemory, lent: set[int]) -> None:
