@@ -16,16 +16,28 @@ One timer per run rather than one per owner keeps the owner's path to sleep as i
 was (a dict entry, no cancel scope), so an eventfd wake costs what it did. Threads
 in ``Signal.wait_sync`` need none of this: their ``poll`` takes the same backoff
 as its timeout.
+
+Hang limits ride on the same timer. A trio waiter with a hang limit (a device's
+fence, a queue waiting on another queue) is *timed* here instead of opening a cancel
+scope of its own -- a deadline per wait costs more than the rest of the wait. Each
+tick looks at the timed waiters whose limit has passed: one whose signal moved since
+it was last seen gets a fresh limit; one whose signal did not is *expired* and woken
+(the owner through its eventfd, a parked waiter as ``_drain`` wakes it), and its wait
+raises :class:`~hcqa.errors.SignalTimeout`. While anything is timed the tick is at
+most a quarter of the shortest limit, so the error comes between one limit and
+1.25 limits (plus scheduling) after the last progress -- within two, as before.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
 import trio
 
 if TYPE_CHECKING:
+    from hcqa._waiters import Waiter
     from hcqa.signals import Signal
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Rereader", "watch"]
@@ -41,8 +53,10 @@ class Rereader:
 
     def __init__(self) -> None:
         self.watched: dict[Signal, int] = {}  # owned signal -> value last seen
+        self.timed: dict[Waiter, _Limit] = {}  # waiters with a hang limit
         self.ticks = 0
         self._idle: trio.Event | None = None
+        self._sleep: trio.CancelScope | None = None  # the tick being waited for
         trio.lowlevel.spawn_system_task(self._run, name="hcqa signal re-reader")
 
     def add(self, sig: Signal) -> None:
@@ -55,14 +69,34 @@ class Rereader:
     def remove(self, sig: Signal) -> None:
         self.watched.pop(sig, None)
 
+    def time(self, waiter: Waiter, sig: Signal, limit: float) -> None:
+        """Time ``waiter`` (parked on ``sig``) against the hang ``limit`` from now."""
+        now = trio.current_time()
+        self.timed[waiter] = _Limit(sig, sig._value.value, now + limit, limit)
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            idle.set()
+        elif limit < 4 * BACKOFF_MAX:  # a short limit: tick soon enough for it
+            sleep = self._sleep
+            if sleep is not None and sleep.deadline > now + limit / 4:
+                sleep.deadline = now + limit / 4
+
+    def untime(self, waiter: Waiter) -> None:
+        self.timed.pop(waiter, None)
+
     async def _run(self) -> None:
         while True:
-            if not self.watched:
+            if not self.watched and not self.timed:
                 self._idle = idle = trio.Event()
                 await idle.wait()
             delay = BACKOFF_FIRST
-            while self.watched:
-                await trio.sleep(delay)
+            shortest = math.inf
+            while self.watched or self.timed:
+                tick = min(delay, shortest / 4) if self.timed else delay
+                with trio.CancelScope(deadline=trio.current_time() + tick) as self._sleep:
+                    await trio.sleep_forever()
+                self._sleep = None
                 delay = min(2 * delay, BACKOFF_MAX)
                 self.ticks += 1
                 for sig, seen in list(self.watched.items()):
@@ -70,6 +104,32 @@ class Rereader:
                     if now != seen:
                         self.watched[sig] = now
                         os.eventfd_write(sig._fd, 1)
+                shortest = self._expire() if self.timed else math.inf
+
+    def _expire(self) -> float:
+        """Renew or expire the timed waiters whose limit has passed; the shortest limit."""
+        now = trio.current_time()
+        shortest = math.inf
+        for waiter, t in list(self.timed.items()):
+            shortest = min(shortest, t.limit)
+            if t.deadline > now:
+                continue
+            value = t.signal._value.value
+            if value != t.seen:  # progress: a fresh limit from now
+                t.seen, t.deadline = value, now + t.limit
+                continue
+            del self.timed[waiter]
+            t.signal._expire(waiter)
+        return shortest
+
+
+class _Limit:
+    """A timed waiter's signal, the value it last saw and when its limit passes."""
+
+    __slots__ = ("deadline", "limit", "seen", "signal")
+
+    def __init__(self, signal: Signal, seen: int, deadline: float, limit: float) -> None:
+        self.signal, self.seen, self.deadline, self.limit = signal, seen, deadline, limit
 
 
 def watch() -> Rereader:

@@ -38,6 +38,7 @@ class Waiter:
     """One parked waiter: a trio task (task set) or a thread (lock set)."""
 
     __slots__ = (
+        "expired",
         "future",
         "lock",
         "loop",
@@ -54,6 +55,7 @@ class Waiter:
         self.target = target
         self.state = State.PARKED
         self.msg = DONE
+        self.expired = False  # its hang limit passed with no progress (``_rereader.py``)
         self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
         self.thread = threading.get_ident()
         self.task: trio.lowlevel.Task | None = None

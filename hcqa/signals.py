@@ -453,8 +453,9 @@ class Signal:
         self, target: int, hang_limit: float | None, context: str, *, observe: bool = True
     ) -> None:
         """Wait, raising :class:`SignalTimeout` when the value makes no progress for
-        ``hang_limit`` seconds (None or inf: no limit; it is checked when the limit
-        expires, so the error comes between one and two limits after the last progress)."""
+        ``hang_limit`` seconds (None or inf: no limit; it is checked by the run's
+        re-reader, see ``_rereader.py``, so the error comes between one and 1.25 limits
+        after the last progress)."""
         if not trio.lowlevel.in_trio_task():  # an asyncio caller: park a Future, no trio hop
             return await _aio_wait.wait_limited(self, target, hang_limit, context, observe)
         if self.value >= target:
@@ -463,16 +464,8 @@ class Signal:
         await trio.lowlevel.checkpoint_if_cancelled()
         if hang_limit is None or math.isinf(hang_limit):
             await self._park(target, observe)
-            return
-        seen = self.value
-        while True:
-            with trio.move_on_after(hang_limit):
-                await self._park(target, observe)
-                return
-            now = self.value
-            if now == seen:
-                raise self._no_progress(target, now, hang_limit, context)
-            seen = now
+        elif not await self._park(target, observe, hang_limit):
+            raise self._no_progress(target, self.value, hang_limit, context)
 
     def _no_progress(
         self, target: int, now: int, hang_limit: float | None, context: str
@@ -488,10 +481,13 @@ class Signal:
             seen=now,
         )
 
-    async def _park(self, target: int, observe: bool = True) -> None:
-        """Park until ``target`` is reached; raise the break error otherwise. Internal
-        waits (a queue waiting for another queue) pass ``observe=False``: raising the
-        error to them is not raising it to a user."""
+    async def _park(
+        self, target: int, observe: bool = True, hang_limit: float | None = None
+    ) -> bool:
+        """Park until ``target`` is reached (True); raise the break error otherwise.
+        Internal waits (a queue waiting for another queue) pass ``observe=False``:
+        raising the error to them is not raising it to a user. With a ``hang_limit``,
+        False when it passed with no progress (the run's re-reader times the wait)."""
         if self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             self._raise_broken(observe)
@@ -507,20 +503,22 @@ class Signal:
                 self._waiters.pop(waiter, None)
             return trio.lowlevel.Abort.SUCCEEDED
 
+        rereader = watch()
+        if hang_limit is not None:
+            rereader.time(waiter, self, hang_limit)
         try:
             while True:
                 owner = self._claim(waiter)  # listed before the value is read
-                if self._outcome(target):
+                if self._outcome(target) or waiter.expired:
                     break
                 yielded = True
                 if owner:  # an owner stays one until it leaves: drain until done
-                    rereader = watch()  # memory-only writes reach the eventfd through it
-                    rereader.add(self)
+                    rereader.add(self)  # memory-only writes reach the eventfd through it
                     try:
                         while True:
                             await trio.lowlevel.wait_readable(self._fd)
                             self._drain()
-                            if self._outcome(target):
+                            if self._outcome(target) or waiter.expired:
                                 break
                     finally:
                         rereader.remove(self)
@@ -531,11 +529,31 @@ class Signal:
                 finally:
                     waiter.parked = False
         finally:
+            if hang_limit is not None:
+                rereader.untime(waiter)
             self._unregister(waiter)
         if not yielded:  # reached between the caller's check and ours: still schedule
             await trio.lowlevel.cancel_shielded_checkpoint()
-        if self.value < target:
+        if self.value >= target:
+            return True
+        if self._broken is not None or not waiter.expired:
             self._raise_broken(observe)
+        return False
+
+    def _expire(self, waiter: Waiter) -> None:
+        """The re-reader found ``waiter``'s hang limit passed with no progress: wake it
+        (in the trio thread) so that its wait ends with a timeout."""
+        waiter.expired = True
+        with self._lock:
+            if self._owner is waiter:
+                if not self._closed:
+                    os.eventfd_write(self._fd, 1)  # the owner drains, then sees it
+                return
+            if waiter.state is not State.PARKED:
+                return  # already woken (reached, or made the owner): it looks again
+            waiter.state, waiter.msg = State.WOKEN, DONE
+            self._waiters.pop(waiter, None)
+        waiter.deliver()
 
     # -- waiting from threads ------------------------------------------------------------
 
