@@ -48,6 +48,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -207,16 +208,19 @@ def _spec(args: argparse.Namespace) -> MlpSpec:
     return spec
 
 
-def _one_blas_thread() -> tuple[contextlib.AbstractContextManager[object], bool]:
-    """(a context holding BLAS to one thread, whether it does).
+def _one_blas_thread() -> tuple[Callable[[], contextlib.AbstractContextManager[object]], bool]:
+    """(a factory of contexts holding BLAS to one thread, whether they do).
 
+    A factory, not one context: threadpoolctl applies its limit when the object is made and
+    lifts it on the first exit, so entering the same object twice would run the second block
+    -- the check against numpy -- with BLAS unlimited, whose sums differ in the last bit.
     threadpoolctl is the optional extra ``hcqa[demo]``; without it BLAS keeps its own pool,
     which competes with the devices for the cores, and the demo says so."""
     try:
         from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
     except ImportError:
-        return contextlib.nullcontext(), False
-    return threadpool_limits(1), True
+        return contextlib.nullcontext, False
+    return lambda: threadpool_limits(1), True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -245,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         blas, blas_limited = _one_blas_thread()
         steps = 2 * (warm + spec.batches)
-        with blas, progress("starting", steps, enabled=not args.no_progress) as bar:
+        with blas(), progress("starting", steps, enabled=not args.no_progress) as bar:
             body = run_processes if args.processes else run_threads
             timed = trio.run(
                 body, spec, path, layout, args.depth, xs, bar, warm, instruments=instruments
@@ -261,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             f"  pipeline: {timed.pipe_desc}: {where[0]} runs layers 1-{half}, {where[1]} layers "
             f"{half + 1}-{spec.layers}; {blas_note}\n"
         )
-        with blas:
+        with blas():
             sample = sorted({*range(0, spec.batches, max(1, spec.batches // 8)), spec.batches - 1})
             kernel = mlp_kernel(spec.layers, spec.batch_size, spec.hidden)
             errors: list[float] = []
