@@ -37,3 +37,8 @@ def slow(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
     """``out = inp``, after half a second (a stage that keeps making progress)."""
     time.sleep(0.5)
     np.copyto(out, inp)
+
+
+def stuck(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
+    """A stage that never finishes (until its process is killed)."""
+    time.sleep(3600)

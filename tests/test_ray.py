@@ -274,6 +274,56 @@ async def test_killed_node_ends_every_waiting_call(cluster: Cluster) -> None:
         assert later.value is errors[0]
 
 
+async def test_stuck_stage_times_out_naming_stage_and_node(cluster: Cluster) -> None:
+    c = node_of(cluster, "c")
+    errors: list[BaseException] = []
+    async with open_ray_pipeline(
+        ["hcqa.processes.stages:add_one", "_ray_stages:stuck"],
+        placement=[c.node_id, c.node_id],
+        in_shape=(16,),
+        hang_limit=2.0,
+        path=[TESTS],
+    ) as pipe:
+        host = pipe.statistics().hosts[0]
+
+        async def caller(j: int) -> None:
+            try:
+                await pipe(np.full(16, j, np.float32))
+            except HcqaError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for j in range(2):
+                    nursery.start_soon(caller, j)
+        assert len(errors) == 2 and errors[0] is errors[1]
+        assert isinstance(errors[0], SignalTimeout)
+        assert "stage 1 ('_ray_stages:stuck')" in str(errors[0])
+        assert c.node_id in str(errors[0])
+        assert "made no progress for 2 s" in str(errors[0])  # the segment's own watchdog
+    with trio.fail_after(10):
+        await wait_exited(host)  # the faulted pipeline's actor is gone
+
+
+async def test_actor_without_room_times_out_at_open(cluster: Cluster) -> None:
+    total = ray.cluster_resources()["b"]
+    async with open_ray_pipeline(
+        ["hcqa.processes.stages:add_one"], placement=[{"resources": {"b": 1}}], in_shape=(4,)
+    ):
+        with pytest.raises(
+            SignalTimeout, match=r"stage 0 \('hcqa.processes.stages:add_one'\) did not"
+        ):
+            async with open_ray_pipeline(
+                ["hcqa.processes.stages:add_one"],
+                placement=[{"resources": {"b": total}}],
+                in_shape=(4,),
+                start_limit=1.0,
+            ):
+                pass
+        assert ray.available_resources().get("b", 0) == total - 1
+    assert ray.available_resources().get("b", 0) == total
+
+
 @pytest.mark.parametrize(
     ("placement", "message"),
     [

@@ -10,8 +10,8 @@ Segments
     stage (a Ray node id, or ``{"resources": {...}}``). Consecutive stages with the same
     placement form a **segment**: one :func:`~hcqa.processes.open_process_pipeline` on
     that node, so items move between its stages through shared memory with nothing but
-    signal writes per item. A remote segment is hosted by a Ray async actor
-    (``_segment``: hcqa runs as a trio guest on the actor's asyncio loop); a segment
+    signal writes per item. A remote segment is hosted by a threaded Ray actor
+    (``_segment``: its trio loop runs in a thread of the actor); a segment
     placed on the driver's own node runs right in the driver (``local=True``), which
     saves the two Ray hops into and out of an actor.
 

@@ -10,7 +10,7 @@ segment placed on the driver's own node (with ``local=True``) is a process pipel
 opened right here; every other one is a :class:`~hcqa.ray._segment.SegmentActor` --
 ``num_cpus=0``, pinned with ``NodeAffinitySchedulingStrategy(node, soft=False)`` or
 asking for the placement's resources, never restarted -- whose ``open()`` starts its
-workers. An actor that has not opened within ``hang_limit`` (the cluster has no room
+workers. An actor that has not opened within ``start_limit`` (the cluster has no room
 for it) is a ``SignalTimeout``; a stage that cannot be imported is the segment's
 ``DeviceFault``; either way every actor started so far is killed before the error
 leaves.
@@ -74,6 +74,7 @@ async def open_ray_pipeline(
     blas_threads: int | None = 1,
     path: Sequence[str] = (),
     local: bool = True,
+    start_limit: float = 60.0,
 ) -> AsyncIterator[RayPipeline]:
     """Open a pipeline whose stages run on Ray nodes; yields a :class:`RayPipeline`.
 
@@ -83,8 +84,9 @@ async def open_ray_pipeline(
     (two Ray hops fewer) instead of in an actor. ``depth``: items in flight per segment
     (and the most items one Ray call carries). ``hang_limit``: no item leaving any
     segment for that long while items are in flight faults the pipeline with
-    ``SignalTimeout`` naming the segment and kills its actors (also the most an actor
-    may take to start). ``grace``, ``blas_threads``, ``path``: as for
+    ``SignalTimeout`` naming the segment and kills its actors. ``start_limit``: the most
+    the actors may take to start and open their workers (a cluster without room for
+    one: ``SignalTimeout``). ``grace``, ``blas_threads``, ``path``: as for
     :func:`~hcqa.processes.open_process_pipeline`, per segment."""
     specs, shape, dt = check_arguments(
         stages,
@@ -99,6 +101,14 @@ async def open_ray_pipeline(
     places = check_placement(placement, len(specs))
     if not isinstance(local, bool):
         raise InvalidCommand(f"'local' must be True or False (got {local!r})")
+    if (
+        isinstance(start_limit, bool)
+        or not isinstance(start_limit, (int, float))
+        or not start_limit > 0
+    ):
+        raise InvalidCommand(
+            f"'start_limit' must be a number of seconds > 0 (inf: none) (got {start_limit!r})"
+        )
     if not ray.is_initialized():
         raise InvalidCommand(
             "open_ray_pipeline needs a connected Ray driver: call ray.init(address=...) "
@@ -117,6 +127,7 @@ async def open_ray_pipeline(
             blas_threads=blas_threads,
             path=path,
             local=local,
+            start_limit=start_limit,
         )
         async with aio.hosted(make, "open_ray_pipeline") as hosted:
             yield hosted
@@ -142,7 +153,7 @@ async def open_ray_pipeline(
                     r.pipe = await stack.enter_async_context(_open_local(r, options))
                 else:
                     r.actor = _start_actor(r.segment, p, options)
-            await _open_actors(runners, hang_limit)
+            await _open_actors(runners, start_limit)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await _stop_actors(runners, graceful=False, grace=grace)
@@ -190,7 +201,12 @@ async def _open_local(r: Runner, options: dict[str, Any]) -> AsyncIterator[Any]:
 
 
 def _start_actor(seg: Segment, p: Placement, options: dict[str, Any]) -> Any:
-    opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
+    opts: dict[str, Any] = {
+        "num_cpus": 0,
+        "max_restarts": 0,
+        "max_task_retries": 0,
+        "max_concurrency": options["depth"] + 1,  # depth batches, and a close
+    }
     if p.node is not None:
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(p.node, soft=False)
     else:
@@ -204,11 +220,11 @@ def _start_actor(seg: Segment, p: Placement, options: dict[str, Any]) -> Any:
     return _actor_class().options(**opts).remote(seg.first, seg.stages, seg_options)
 
 
-async def _open_actors(runners: Sequence[Runner], hang_limit: float) -> None:
-    """Each actor's ``open()``: where it runs, its pids; within ``hang_limit``."""
+async def _open_actors(runners: Sequence[Runner], limit: float) -> None:
+    """Each actor's ``open()``: where it runs, its pids; within ``limit`` seconds."""
     remote = [r for r in runners if r.actor is not None]
     refs = [r.actor.open.remote() for r in remote]
-    with trio.move_on_after(hang_limit):
+    with trio.move_on_after(limit):
         for r, ref in zip(remote, refs, strict=True):
             try:
                 info = await resolve(ref)
@@ -222,8 +238,8 @@ async def _open_actors(runners: Sequence[Runner], hang_limit: float) -> None:
     late = [r for r in remote if not r.pid]
     raise SignalTimeout(
         f"{late[0].segment.describe()} did not start on {late[0].segment.placement.describe()} "
-        f"within the hang limit ({hang_limit:g} s): the cluster has no room for its actor "
-        "now (resources taken?)",
+        f"within start_limit ({limit:g} s): the cluster has no room for its actor now "
+        "(resources taken?)",
         signal=f"segment{late[0].segment.index}",
         expected=1,
         seen=0,
@@ -236,7 +252,7 @@ async def _stop_actors(runners: Sequence[Runner], *, graceful: bool, grace: floa
     if not actors:
         return
     if graceful:
-        refs = [a.close.remote() for a in actors]
+        refs = [a.close.remote(grace + 1.0) for a in actors]
         with trio.move_on_after(grace):
             for ref in refs:
                 try:

@@ -28,7 +28,9 @@ from hcqa.ray._checks import Segment
 from hcqa.ray._refs import resolve
 from hcqa.ray._segment import name_fault, run_items
 
-__all__ = ["RayPipeline", "RayPipelineStatistics", "Runner"]
+__all__ = ["BACKSTOP", "RayPipeline", "RayPipelineStatistics", "Runner"]
+
+BACKSTOP = 1.5  # the driver's watchdog waits this many hang limits (see _watchdog)
 
 
 @attrs.frozen(kw_only=True)
@@ -331,11 +333,16 @@ class RayPipeline:
             await trio.to_thread.run_sync(_kill_actors, actors)
 
     async def _watchdog(self) -> None:
-        """No batch moved for ``hang_limit`` while items are in flight: the pipeline hangs.
+        """No batch moved for ``BACKSTOP * hang_limit`` while items are in flight: the
+        pipeline hangs.
 
-        Sleeps while idle; else wakes every quarter limit. A batch moves when it leaves
-        a segment: a local one (seen directly) or a remote one (its ObjectRef is ready:
-        asked of Ray with a zero timeout, off the loop, only on these ticks)."""
+        Each segment's own process pipeline watches its stages with ``hang_limit`` and
+        names the stalled stage and worker; its fault reaches us through the Ray call.
+        This watchdog is the backstop for what can't report -- a node cut off, an actor
+        Ray has not yet declared dead -- so it waits two ticks longer. Sleeps while idle;
+        else wakes every quarter limit. A batch moves when it leaves a segment: a local
+        one (seen directly) or a remote one (its ObjectRef is ready: asked of Ray with a
+        zero timeout, off the loop, only on these ticks)."""
         limit = self.hang_limit
         if math.isinf(limit):
             return
@@ -355,7 +362,7 @@ class RayPipeline:
                     while b.ready < len(b.hops) and id(b.hops[b.ready][1]) in done:
                         b.ready += 1
                         self._moved()
-            if self._in_flight and trio.current_time() - self._progress >= limit:
+            if self._in_flight and trio.current_time() - self._progress >= limit * BACKSTOP:
                 self._hang(self._in_flight[0])
                 return
 
@@ -368,7 +375,8 @@ class RayPipeline:
             r = self.runners[-1]
         self._fault(
             SignalTimeout(
-                f"{r.describe()} made no progress for {self.hang_limit:g} s: a batch of "
+                f"{r.describe()} made no progress for {self.hang_limit * BACKSTOP:g} s "
+                f"(hang_limit {self.hang_limit:g} s): a batch of "
                 f"{len(batch.items)} items entered it and did not leave; the pipeline is "
                 "faulted and its actors killed",
                 signal=f"segment{r.segment.index}",
