@@ -222,6 +222,32 @@ def test_same_calls_under_asyncio(cluster: Cluster) -> None:
     assert asyncio.run(main()) == [True] * 6
 
 
+def test_asyncio_cancellation_leaves_others_exact(cluster: Cluster) -> None:
+    c = node_of(cluster, "c")
+
+    async def main() -> tuple[list[Any], bool]:
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"] * 2,
+            placement=[c.node_id, c.node_id],
+            in_shape=(16,),
+            depth=3,
+        ) as pipe:
+            xs = [np.full(16, j, np.float32) for j in range(8)]
+            tasks = [asyncio.create_task(pipe(x)) for x in xs]
+            await asyncio.sleep(0)  # a checkpoint: every task has started its call
+            for t in tasks[1::2]:
+                t.cancel()
+            ys = await asyncio.gather(*tasks, return_exceptions=True)
+            after = await pipe(xs[3])
+            return ys, bool(np.array_equal(after, xs[3] + 2))
+
+    ys, after_ok = asyncio.run(main())
+    for j, y in enumerate(ys):
+        if j % 2 == 0 or not isinstance(y, asyncio.CancelledError):
+            assert isinstance(y, np.ndarray) and np.array_equal(y, np.full(16, j + 2)), (j, y)
+    assert after_ok
+
+
 async def test_open_close_cycles_free_actors_and_resources(cluster: Cluster) -> None:
     total = ray.cluster_resources()["b"]
     for i in range(10):
