@@ -50,13 +50,14 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from bench._util import markdown_table
+from bench._util import markdown_table, percentile
 from bench.bench_workers import CpuWindow, descendants, emit, emit_latency, guarded, start_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +208,30 @@ def _cg_round(ray: Any, plan: Plan) -> None:
         if tag == "small":
             _emit_cpu(_groups(me, pids), plan.idle_s)
     emit("teardown_s", guarded(lambda: cdag.teardown(kill_actors=True)))
+    _floors(ray, plan)
+
+
+def _floors(ray: Any, plan: Plan) -> None:
+    """What one cross-node round trip costs through Ray (driver -> node_b -> driver), the
+    least a 2 + 2 pipeline whose driver sits on node_a can pay: a one-actor compiled graph
+    and a plain sync actor call, interleaved."""
+    from bench._ray_primitives import Echo, _call, _execute, _sample
+
+    InputNode: Any = importlib.import_module("ray.dag").InputNode
+    echo: Any = ray.remote(Echo)
+    b, c = (echo.options(num_cpus=0, resources={"node_b": 1}).remote() for _ in range(2))
+    with InputNode() as inp:
+        dag = c.f.bind(inp)
+    cdag = dag.experimental_compile()
+    for tag, n, count in (("small", SMALL, plan.lat_small), ("big", BIG, plan.lat_big)):
+        x = _inputs(n)[0]
+        fns = [partial(_execute, ray, cdag, x), partial(_call, ray, b, x)]
+        cg_hop, call = _sample(fns, count, warmup=max(5, count // 10))
+        emit(f"floor_cg_{tag}", percentile(cg_hop, 50) * 1e6)
+        emit(f"floor_call_{tag}", percentile(call, 50) * 1e6)
+    emit("floor_teardown_s", guarded(cdag.teardown))
+    for actor in (b, c):
+        ray.kill(actor)
 
 
 # -- the hcqa side --------------------------------------------------------------------------
@@ -262,8 +287,9 @@ async def _hcqa_round(ray: Any, plan: Plan) -> None:
                     nursery.start_soon(_caller, pipe, xs, left)
             emit(f"tput_{tag}", tput_n / (time.perf_counter() - t))
             if tag == "small":
-                hosts = list(pipe.statistics().hosts)
-                emit("hosts", hosts)
+                stats = pipe.statistics()
+                hosts = list(stats.hosts)
+                emit("segments", ["driver" if loc else "actor" for loc in stats.local])
                 await trio.to_thread.run_sync(_emit_cpu, _groups(me, hosts), plan.idle_s)
             t = time.perf_counter()
         if tag == "big":
@@ -299,7 +325,9 @@ def child_main(side: str, plan: Plan) -> None:
 def run_child(side: str, plan: Plan) -> dict[str, Any]:
     """One round of ``side`` in a child process (its own session); what it reported."""
     cmd = [sys.executable, "-m", "bench.bench_multihost", "--child", side, "--plan", plan.name]
-    env = {**os.environ, "RAY_CGRAPH_teardown_timeout": "5"}  # see docs: CG teardown lingers
+    # a cross-node compiled graph's actors outlive teardown() (30 s each by default, then
+    # force-killed): wait 1 s each instead; the table reports how long teardown took
+    env = {**os.environ, "RAY_CGRAPH_teardown_timeout": "1"}
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -350,11 +378,14 @@ def _median(rounds: Sequence[dict[str, Any]], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _ratio(hc: Sequence[dict[str, Any]], cg: Sequence[dict[str, Any]], key: str) -> float | None:
-    """Median over rounds of hcqa / CG, each round's pair measured side by side."""
+def _ratio(
+    hc: Sequence[dict[str, Any]], cg: Sequence[dict[str, Any]], key: str, cg_key: str = ""
+) -> float | None:
+    """Median over rounds of hcqa's ``key`` / CG's ``cg_key`` (default ``key``), each
+    round's pair measured side by side."""
     ratios = []
     for h, c in zip(hc, cg, strict=False):
-        a, b = _num(h, key), _num(c, key)
+        a, b = _num(h, key), _num(c, cg_key or key)
         if a is not None and b is not None and b > 0:
             ratios.append(a / b)
     return statistics.median(ratios) if ratios else None
@@ -377,6 +408,10 @@ SPEC = (
     ("lat_small_p99", "latency p99, 16 float32", "us", ""),
     ("lat_big_p50", "latency p50, 4 MiB", "us", f"≤ {LATENCY_TARGET}x CG"),
     ("lat_big_p99", "latency p99, 4 MiB", "us", ""),
+    ("floor_cg_small", "floor: 1 cross-node CG hop, driver -> node_b -> driver, 16 f32", "us", ""),
+    ("floor_call_small", "floor: 1 sync actor call to node_b, 16 f32", "us", ""),
+    ("floor_cg_big", "floor: 1 cross-node CG hop, 4 MiB", "us", ""),
+    ("floor_call_big", "floor: 1 sync actor call to node_b, 4 MiB", "us", ""),
     ("tput_small", "items/s, 10 in flight, 16 float32", "ips", f"≥ {THROUGHPUT_TARGET}x CG"),
     ("tput_big", "items/s, 10 in flight, 4 MiB", "ips", f"≥ {THROUGHPUT_TARGET}x CG"),
     ("idle_cpu", "CPU idle 2 s: driver + actors + workers", "pct", f"hcqa < {IDLE_TARGET} %"),
@@ -405,6 +440,13 @@ def report(hc: Sequence[dict[str, Any]], cg: Sequence[dict[str, Any]]) -> bool:
             ["metric", "hcqa over Ray", "Ray Compiled Graphs", "hcqa/CG", "target"], rows
         )
     )
+    print()
+    for size, what in (("small", "16 float32"), ("big", "4 MiB")):
+        over = [
+            f"{_ratio(hc, cg, f'lat_{size}_p50', f'floor_{k}_{size}') or float('nan'):.2f}x {name}"
+            for k, name in (("cg", "a CG hop"), ("call", "an actor call"))
+        ]
+        print(f"hcqa latency p50 {what} over one cross-node round trip: {', '.join(over)}")
     print()
     verdicts: list[bool] = []
 
@@ -492,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "error" in res:
                 failed = True
                 print(f"[round {r + 1}, {side}] {res['error']}", file=sys.stderr)
+    segments = next((r["segments"] for r in hc if "segments" in r), None)
+    if segments:
+        print(f"hcqa segments: {' + '.join(segments)} (node_a, node_b)\n")
     ok = report(hc, cg)
     print()
     print(_per_round("hcqa rounds", hc))
