@@ -151,6 +151,7 @@ def _emit_cpu(groups: dict[str, list[int]], seconds: float) -> None:
     window = CpuWindow(groups)
     time.sleep(seconds)
     _, pct = window.stop()
+    emit("procs", {k: len(v) for k, v in groups.items()})
     emit("idle_cpu", sum(v for k, v in pct.items() if k != "ray-daemons"))
     for k, v in pct.items():
         emit(f"idle_cpu:{k}", v)
@@ -536,7 +537,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[round {r + 1}, {side}] {res['error']}", file=sys.stderr)
     segments = next((r["segments"] for r in hc if "segments" in r), None)
     if segments:
-        print(f"hcqa segments: {' + '.join(segments)} (node_a, node_b)\n")
+        print(f"hcqa segments: {' + '.join(segments)} (node_a, node_b)")
+    for label, rounds_of in (("hcqa", hc), ("CG", cg)):
+        procs = next((r["procs"] for r in rounds_of if "procs" in r), None)
+        if procs:
+            print(f"{label} processes counted: {', '.join(f'{k} {v}' for k, v in procs.items())}")
+    print()
     ok = report(hc, cg)
     print()
     print(_per_round("hcqa rounds", hc))
