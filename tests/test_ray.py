@@ -116,6 +116,7 @@ async def test_results_and_placement(cluster: Cluster) -> None:
                     want = want * 2 + 1
                 assert np.array_equal(y[:12], want[:12])
                 assert list(y[12:]) == hosts
+                assert y.flags.writeable  # a small result is the caller's own
             out.append(True)
 
         done: list[bool] = []

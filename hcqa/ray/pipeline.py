@@ -28,8 +28,10 @@ from hcqa.ray._checks import Segment
 from hcqa.ray._refs import resolve
 from hcqa.ray._segment import name_fault, run_items
 
-__all__ = ["BACKSTOP", "RayPipeline", "RayPipelineStatistics", "Runner"]
+__all__ = ["BACKSTOP", "INLINE", "RayPipeline", "RayPipelineStatistics", "Runner"]
 
+INLINE = 64 * 1024  # bytes: larger batches are handed to Ray off the loop; smaller
+# results are copied (writable) instead of returned as read-only views of Ray's buffers
 BACKSTOP = 1.5  # the driver's watchdog waits this many hang limits (see _watchdog)
 
 
@@ -145,8 +147,9 @@ class RayPipeline:
     # -- items ------------------------------------------------------------------------------
 
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
-        """Run one item through every stage; returns the last stage's output (an array
-        Ray deserialized: read-only when it came from Ray's object store)."""
+        """Run one item through every stage; returns the last stage's output (up to 64
+        KiB a writable array; larger, when the last segment is remote, a read-only view
+        of the buffer Ray deserialized)."""
         if aio.asyncio_caller():
             return await aio.call(self.__call__, x)
         arr = check_input(x, self.in_shape, self.dtype)
@@ -234,7 +237,12 @@ class RayPipeline:
                     batch.at = None
                     self._moved()
                 else:
-                    value = r.actor.run.remote(value)
+                    if isinstance(value, list) and sum(v.nbytes for v in value) > INLINE:
+                        # .remote() copies large arguments into Ray's object store on
+                        # the calling thread: not on the loop
+                        value = await trio.to_thread.run_sync(r.actor.run.remote, value)
+                    else:
+                        value = r.actor.run.remote(value)
                     batch.hops.append((r, value))
             if isinstance(value, ray.ObjectRef):
                 value = await resolve(value)
@@ -264,6 +272,8 @@ class RayPipeline:
             self._in_flight.remove(batch)
         if isinstance(outcome, list):
             for it, v in zip(batch.items, outcome, strict=True):
+                if not v.flags.writeable and v.nbytes <= INLINE:
+                    v = v.copy()  # small results writable, as a process pipeline's are
                 it.finish(v, None)
             self.completed += len(batch.items)
             self._moved()
@@ -357,9 +367,9 @@ class RayPipeline:
             refs = [ref for b in self._in_flight for _, ref in b.hops[b.ready :]]
             if refs:
                 ready, _ = await trio.to_thread.run_sync(_ready, refs)
-                done = {id(r) for r in ready}
+                done = set(ready)
                 for b in self._in_flight:
-                    while b.ready < len(b.hops) and id(b.hops[b.ready][1]) in done:
+                    while b.ready < len(b.hops) and b.hops[b.ready][1] in done:
                         b.ready += 1
                         self._moved()
             if self._in_flight and trio.current_time() - self._progress >= limit * BACKSTOP:
