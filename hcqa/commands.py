@@ -16,6 +16,8 @@ advance the queue's own signal and the device timeline.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import attrs
@@ -83,6 +85,14 @@ class Exec:
     # For C kernels with concrete vals: the call's arguments (buffer addresses, then
     # vals), computed once at validation so the engine does no per-call packing.
     args: tuple[int, ...] | None = attrs.field(default=None, eq=False, repr=False)
+    # ... and the call itself, ready to run (derived from ``args`` at every construction,
+    # ``attrs.evolve`` included, so it can't go stale): the engine calls it directly.
+    call: Callable[[], object] | None = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        args, kernel = self.args, self.program.kernel
+        ready = None if args is None or kernel is None else functools.partial(kernel.fn, *args)
+        object.__setattr__(self, "call", ready)
 
 
 @attrs.frozen(kw_only=True)

@@ -11,6 +11,7 @@ import gc
 import os
 import weakref
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -21,6 +22,7 @@ import hcqa.testing as ht
 from hcqa import DeviceFault, Signal
 from hcqa import commands as cmd
 from hcqa._rereader import watch
+from hcqa.actors.engine import Engine
 from hcqa.devices.cpu import INLINE_COPY_MAX, CpuDevice
 
 MIB = 1 << 20
@@ -277,3 +279,63 @@ async def test_a_recorded_call_inside_a_capture_is_captured_not_run() -> None:
         assert a.numpy_view()[0] == 0  # recorded, not run
         await g()
         assert a.numpy_view()[0] == 3
+
+
+# -- the engine's direct native calls ----------------------------------------------------------
+
+
+async def test_an_exec_carries_its_native_call_and_evolve_rebuilds_it() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a, b = d.alloc(8), d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        e = setv.validate((a,), (4,), (1, 1, 1), (1, 1, 1))
+        assert e.call is not None
+        moved = attrs.evolve(e, buffers=(b,), args=setv.c_args((b,), (6,)))
+        assert moved.call is not e.call
+        moved.call()  # the new arguments, not the old ones
+        assert (a.numpy_view()[0], b.numpy_view()[0]) == (0, 6)
+        py = d.program("py", lambda x: None)
+        assert py.validate((a,), (), (1, 1, 1), (1, 1, 1)).call is None  # Python: a handler
+
+
+async def test_a_failing_direct_call_faults_the_device_like_a_handler() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a = d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        e = setv.validate((a,), (4,), (1, 1, 1), (1, 1, 1))
+
+        def boom() -> None:
+            raise ht.InjectedFault("native call failed")
+
+        object.__setattr__(e, "call", boom)
+        bad = d._enqueue_exec(e)
+        try:
+            after: hcqa.Fence | None = setv(a, vals=(9,))  # behind it: skipped
+        except DeviceFault:
+            after = None  # or refused, if the fault came first: sticky either way
+        with pytest.raises(DeviceFault, match="program 'setv' failed") as info:
+            await bad
+        assert isinstance(info.value.__cause__, ht.InjectedFault)
+        if after is not None:
+            with pytest.raises(DeviceFault):
+                await after
+        assert a.numpy_view()[0] == 0  # nothing ran after the fault
+
+
+def test_an_engine_without_native_calls_runs_every_exec_through_its_handler() -> None:
+    seen: list[object] = []
+    engine = Engine("fake", {cmd.Exec: seen.append}, on_fault=lambda c, e: None)
+    try:
+
+        class Kernel:
+            fn = staticmethod(lambda *args: seen.append("direct"))
+
+        class Prog:
+            kernel = Kernel()
+
+        e = cmd.Exec(program=Prog(), buffers=(), args=(1,))  # type: ignore[arg-type]
+        assert e.call is not None
+        engine.run_inline([e])
+        assert seen == [e]  # the handler, never the direct call
+    finally:
+        engine.join()

@@ -52,6 +52,7 @@ from hcqa.signals import Signal
 __all__ = ["Engine"]
 
 Handler = Callable[[Any], None]
+_EXEC = cmd.Exec
 
 # Tracing hook (set by hcqa/trace.py while a Tracer records device activity, else None).
 # The engine reads it once per run: ``trace_hook.engine_run(engine, run, table)`` returns
@@ -72,8 +73,12 @@ class Engine:
         handlers: dict[type, Handler],
         *,
         on_fault: Callable[[Any, BaseException], None],
+        native: bool = False,
     ) -> None:
         self.name = name
+        # The device runs an Exec that carries a ready native call exactly by calling it
+        # (see ``_execute``); else every Exec goes through the device's handler.
+        self._native = native
         self._inbox: collections.deque[Iterable[Any] | None] = collections.deque()
         self._bell = os.eventfd(0, os.EFD_CLOEXEC)  # the thread blocks reading it
         self._sleeping = False  # the thread is (about to be) blocked on the bell
@@ -171,10 +176,20 @@ class Engine:
             self.exited._set_from_engine(1)
 
     def _execute(self, run: Iterable[Any], table: dict[type, Handler]) -> None:
+        # An Exec that carries its ready native call (a C kernel with concrete arguments)
+        # is called directly, without a handler frame -- unless a tracer wraps the handlers.
+        direct = self._native and table is self._table
         for command in run:
             error = self.error
             if error is not None:
                 self._skip(command, error)
+                continue
+            if direct and type(command) is _EXEC and command.call is not None:
+                try:
+                    command.call()
+                except BaseException as exc:
+                    self._on_fault(command, exc)
+                    self._skip(command, self.error)
                 continue
             handler = table.get(type(command))
             try:

@@ -78,6 +78,9 @@ class Device:
     """Base class of the devices (``cpu:N``, ``cuda:N``)."""
 
     kind: ClassVar[str] = "?"
+    # True where running a C kernel is exactly calling it on the host: engines then call an
+    # Exec's ready native call directly, and graphs may fuse runs of C kernels.
+    native_runner: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -340,6 +343,7 @@ class Device:
             f"{self.name} {kind}",
             self._handlers(kind),
             on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
+            native=self.native_runner,
         )
 
     # -- the path of one enqueue ------------------------------------------------------------
