@@ -53,6 +53,7 @@ __all__ = ["Engine"]
 
 Handler = Callable[[Any], None]
 _EXEC = cmd.Exec
+_SIGNAL = cmd.Signal
 
 # Tracing hook (set by hcqa/trace.py while a Tracer records device activity, else None).
 # The engine reads it once per run: ``trace_hook.engine_run(engine, run, table)`` returns
@@ -176,28 +177,29 @@ class Engine:
             self.exited._set_from_engine(1)
 
     def _execute(self, run: Iterable[Any], table: dict[type, Handler]) -> None:
-        # An Exec that carries its ready native call (a C kernel with concrete arguments)
-        # is called directly, without a handler frame -- unless a tracer wraps the handlers.
-        direct = self._native and table is self._table
+        # Two commands skip the handler frame unless a tracer wraps the handlers: a
+        # Signal (the engine's own bookkeeping) and, on a native device, an Exec that
+        # carries its ready native call (a C kernel with concrete arguments).
+        direct = table is self._table
+        native = direct and self._native
         for command in run:
             error = self.error
             if error is not None:
                 self._skip(command, error)
                 continue
-            if direct and type(command) is _EXEC and command.call is not None:
-                try:
-                    command.call()
-                except BaseException as exc:
-                    self._on_fault(command, exc)
-                    self._skip(command, self.error)
-                continue
-            handler = table.get(type(command))
+            kind = type(command)
             try:
-                if handler is None:
-                    raise TypeError(
-                        f"engine {self.name!r} has no handler for {type(command).__name__} commands"
-                    )
-                handler(command)
+                if kind is _EXEC and native and command.call is not None:
+                    command.call()
+                elif kind is _SIGNAL and direct:
+                    command.signal._set_from_engine(command.value)
+                else:
+                    handler = table.get(kind)
+                    if handler is None:
+                        raise TypeError(
+                            f"engine {self.name!r} has no handler for {kind.__name__} commands"
+                        )
+                    handler(command)
             except BaseException as exc:
                 self._on_fault(command, exc)
                 self._skip(command, self.error)
