@@ -278,6 +278,7 @@ def throughput(ray: Any, calls: int) -> list[Row]:
     one = np.arange(SMALL, dtype=np.float32)
     ten = [one + i for i in range(10)]
     big = np.arange(BIG, dtype=np.float32)
+    bigs = [big + i for i in range(10)]  # distinct arrays: pickle sends a repeated one once
 
     def flood(arg: Any, n: int, depth: int) -> float:
         window: collections.deque[Any] = collections.deque()
@@ -300,6 +301,8 @@ def throughput(ray: Any, calls: int) -> list[Row]:
         ("4 MiB, 1 item/call, 10 in flight", big, big_calls, 1, IN_FLIGHT),
         ("4 MiB, 1 item/call, 2 in flight", big, big_calls, 1, 2),
         ("4 MiB, 1 item/call, 1 in flight", big, big_calls, 1, 1),
+        ("4 MiB, 10 items/call, 1 in flight", bigs, max(10, big_calls // 2), 10, 1),
+        ("4 MiB, 10 items/call, 2 in flight", bigs, max(10, big_calls // 2), 10, 2),
     ]
     rates: dict[str, list[float]] = {c[0]: [] for c in cases}
     for _ in range(3):  # rounds, interleaved
