@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,42 @@ def start_cluster() -> tuple[Any, Any]:
     return ray, cluster
 
 
-def _sample(fns: Sequence[Callable[[], object]], n: int, warmup: int) -> list[list[float]]:
+def remove_ray_semaphores(pids: Sequence[int]) -> None:
+    """Remove the named semaphores Ray's shared-memory channels leave in /dev/shm after
+    shutdown (``sem.hdr<pid>-*``, ``sem.obj<pid>-*``) for those of ``pids`` that have ended."""
+    shm = Path("/dev/shm")
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            stat = ""
+        if not stat or stat[stat.rindex(")") + 2] == "Z":  # gone, or a zombie
+            for kind in ("hdr", "obj"):
+                for leftover in shm.glob(f"sem.{kind}{pid}-*"):
+                    leftover.unlink(missing_ok=True)
+
+
+def _tree(root: int) -> list[int]:
+    """Every live descendant of ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(name))
+    out, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def sample_interleaved(
+    fns: Sequence[Callable[[], object]], n: int, warmup: int
+) -> list[list[float]]:
     """Seconds per call of each fn, interleaved: fn0, fn1, ..., fn0, fn1, ..."""
     for _ in range(warmup):
         for fn in fns:
@@ -117,7 +153,7 @@ def _check(got: Any, x: np.ndarray[Any, Any]) -> None:
     np.testing.assert_array_equal(np.asarray(got), x)
 
 
-def _call(ray: Any, actor: Any, x: Any) -> object:
+def call_echo(ray: Any, actor: Any, x: Any) -> object:
     return ray.get(actor.f.remote(x))
 
 
@@ -129,7 +165,7 @@ def _two_trips(ray: Any, a: Any, b: Any, x: Any) -> object:
     return ray.get(b.f.remote(ray.get(a.f.remote(x))))
 
 
-def _execute(ray: Any, cdag: Any, x: Any) -> object:
+def execute_copy(ray: Any, cdag: Any, x: Any) -> object:
     # Ray returns a zero-copy view of the channel buffer, locked while it lives: copy it
     return np.array(ray.get(cdag.execute(x)))
 
@@ -150,11 +186,11 @@ def round_trips(ray: Any, n_small: int, n_big: int) -> list[Row]:
             _check(ray.get(h.f.remote(x)), x)
         _check(ray.get(sb.f.remote(sa.f.remote(x))), x)
         fns: list[Callable[[], object]] = [
-            *(partial(_call, ray, h, x) for h in (sa, sb, aa, ab)),
+            *(partial(call_echo, ray, h, x) for h in (sa, sb, aa, ab)),
             partial(_chain, ray, sa, sb, x),
             partial(_two_trips, ray, sa, sb, x),
         ]
-        s = _sample(fns, n, warmup=max(10, n // 10))
+        s = sample_interleaved(fns, n, warmup=max(10, n // 10))
         rows += [
             _row("1. sync actor, node_a (driver's node)", size, s[0]),
             _row("1. sync actor, node_b", size, s[1]),
@@ -222,7 +258,9 @@ def compiled_hops(ray: Any, n_small: int, n_big: int) -> list[Row]:
             # a zero-copy view of the channel buffer, locked while it lives: copy, then drop
             _check(np.array(ray.get(cdag.execute(x))), x)
 
-        s = _sample([partial(_execute, ray, g, x) for _, g in graphs], n, max(10, n // 10))
+        s = sample_interleaved(
+            [partial(execute_copy, ray, g, x) for _, g in graphs], n, max(10, n // 10)
+        )
         rows.append(_row("5. compiled graph, driver -> b(node_b) -> driver", size, s[0]))
         rows.append(_row("5. compiled graph, driver -> a(node_a) -> driver", size, s[1]))
         for actor, cdag in graphs:
@@ -249,7 +287,7 @@ def compiled_chain(ray: Any, n_small: int, n_big: int) -> list[Row]:
     try:
         for size, x, n in _items(n_small, n_big):
             _check(np.array(ray.get(cdag.execute(x))), x)
-            s = _sample([partial(_execute, ray, cdag, x)], n, max(10, n // 10))
+            s = sample_interleaved([partial(execute_copy, ray, cdag, x)], n, max(10, n // 10))
             rows.append(_row("7. compiled chain a1,a2 (node_a) -> b1,b2 (node_b)", size, s[0]))
             k = n * 2
             window: collections.deque[Any] = collections.deque()
@@ -349,8 +387,10 @@ def run(
             rows += throughput(ray, calls)
     finally:
         print(markdown_table(["what", "item", "p50 µs", "p99 µs", "samples"], rows))
+        started = _tree(os.getpid())
         ray.shutdown()
         cluster.shutdown()
+        remove_ray_semaphores(started)
     print(f"(ran in {time.perf_counter() - t0:.1f} s)")
     return 0
 

@@ -57,6 +57,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from bench._ray_primitives import (
+    Echo,
+    call_echo,
+    execute_copy,
+    remove_ray_semaphores,
+    sample_interleaved,
+    start_cluster,
+)
 from bench._util import markdown_table, percentile
 from bench.bench_workers import CpuWindow, descendants, emit, emit_latency, guarded, start_time
 
@@ -216,8 +224,6 @@ def _floors(ray: Any, plan: Plan) -> None:
     """What one cross-node round trip costs through Ray (driver -> node_b -> driver), the
     least a 2 + 2 pipeline whose driver sits on node_a can pay: a one-actor compiled graph
     and a plain sync actor call, interleaved."""
-    from bench._ray_primitives import Echo, _call, _execute, _sample
-
     InputNode: Any = importlib.import_module("ray.dag").InputNode
     echo: Any = ray.remote(Echo)
     b, c = (echo.options(num_cpus=0, resources={"node_b": 1}).remote() for _ in range(2))
@@ -226,8 +232,8 @@ def _floors(ray: Any, plan: Plan) -> None:
     cdag = dag.experimental_compile()
     for tag, n, count in (("small", SMALL, plan.lat_small), ("big", BIG, plan.lat_big)):
         x = _inputs(n)[0]
-        fns = [partial(_execute, ray, cdag, x), partial(_call, ray, b, x)]
-        cg_hop, call = _sample(fns, count, warmup=max(5, count // 10))
+        fns = [partial(execute_copy, ray, cdag, x), partial(call_echo, ray, b, x)]
+        cg_hop, call = sample_interleaved(fns, count, warmup=max(5, count // 10))
         emit(f"floor_cg_{tag}", percentile(cg_hop, 50) * 1e6)
         emit(f"floor_call_{tag}", percentile(call, 50) * 1e6)
     emit("floor_teardown_s", guarded(cdag.teardown))
@@ -301,7 +307,6 @@ async def _hcqa_round(ray: Any, plan: Plan) -> None:
 
 
 def child_main(side: str, plan: Plan) -> None:
-    from bench._ray_primitives import start_cluster
 
     me = os.getpid()
     t = time.perf_counter()
@@ -360,6 +365,7 @@ def run_child(side: str, plan: Plan) -> dict[str, Any]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    remove_ray_semaphores([pid for pid, _ in pids])
     if "done" not in results:
         tail = err.decode(errors="replace").strip().splitlines()[-12:]
         results["error"] = f"rc={proc.returncode}: " + " / ".join(tail)
