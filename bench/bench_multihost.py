@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -307,12 +308,14 @@ async def _hcqa_round(ray: Any, plan: Plan) -> None:
 
 
 def child_main(side: str, plan: Plan) -> None:
-
+    """One side's round; exits 1 (after its traceback and an ``error`` line) on any error,
+    a wrong result included."""
     me = os.getpid()
     t = time.perf_counter()
     ray, cluster = start_cluster()
     emit("init_s", time.perf_counter() - t)
     emit("ray_pids", [[p, start_time(p)] for p in descendants(me)])
+    code = 1
     try:
         if side == "cg":
             _cg_round(ray, plan)
@@ -321,11 +324,16 @@ def child_main(side: str, plan: Plan) -> None:
 
             trio.run(_hcqa_round, ray, plan)
         emit("done", True)
+        code = 0
+    except BaseException as exc:
+        traceback.print_exc()
+        emit("error", f"{type(exc).__name__}: {exc}"[:300])
     finally:
         emit("ray_pids", [[p, start_time(p)] for p in descendants(me)])
         emit("shutdown_s", guarded(lambda: (ray.shutdown(), cluster.shutdown())))
         sys.stdout.flush()
-        os._exit(0)  # a hung Ray thread must not hold the process at exit
+        sys.stderr.flush()
+        os._exit(code)  # a hung Ray thread must not hold the process at exit
 
 
 def run_child(side: str, plan: Plan) -> dict[str, Any]:
@@ -368,7 +376,8 @@ def run_child(side: str, plan: Plan) -> dict[str, Any]:
     remove_ray_semaphores([pid for pid, _ in pids])
     if "done" not in results:
         tail = err.decode(errors="replace").strip().splitlines()[-12:]
-        results["error"] = f"rc={proc.returncode}: " + " / ".join(tail)
+        what = results.get("error") or " / ".join(tail)
+        results["error"] = f"rc={proc.returncode}: {what}"
     return results
 
 
