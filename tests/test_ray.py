@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,13 @@ async def test_results_and_placement(cluster: Cluster) -> None:
                 nursery.start_soon(caller, j, done)
         assert len(done) == 6
         assert pipe.statistics().completed == 30
+        processes = [*stats.hosts[1:], *(pid for seg in stats.workers for pid in seg)]
+        assert len(processes) == 2 + 4
+    with trio.fail_after(10):  # no actor or worker process outlives the block
+        for pid in processes:
+            await wait_exited(pid)
+    forks = [t for t in threading.enumerate() if t.name == "hcqa process-pipeline forks"]
+    assert forks == []
 
 
 async def test_large_items_concurrent_callers(cluster: Cluster) -> None:

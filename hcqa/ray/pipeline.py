@@ -44,6 +44,7 @@ class RayPipelineStatistics:
     segments: tuple[str, ...]  # the node id each segment runs on
     local: tuple[bool, ...]  # which segments run in the driver
     hosts: tuple[int, ...]  # the pid of the process hosting each segment (actor or driver)
+    workers: tuple[tuple[int, ...], ...]  # each segment's worker processes (pids, per stage)
     in_flight: int  # items taken and not yet out of the last segment
     batches: int  # batches sent so far (one Ray call per remote segment each)
     completed: int  # items that left the last segment
@@ -135,6 +136,7 @@ class RayPipeline:
             segments=tuple(r.node for r in self.runners),
             local=tuple(r.pipe is not None for r in self.runners),
             hosts=tuple(r.pid for r in self.runners),
+            workers=tuple(r.workers for r in self.runners),
             in_flight=self._taken,
             batches=self.batches,
             completed=self.completed,
