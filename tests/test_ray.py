@@ -398,6 +398,37 @@ async def test_ray_not_initialised_refused(
             pass
 
 
+async def test_close_drains_items_in_flight_and_refuses_waiting_callers(
+    cluster: Cluster,
+) -> None:
+    c = node_of(cluster, "c")
+    outcomes: dict[int, object] = {}
+
+    async def caller(pipe: Any, j: int) -> None:
+        x = np.full(4, j, np.float32)
+        try:
+            y = await pipe(x)
+            outcomes[j] = bool(np.array_equal(y, x + 1))
+        except DeviceClosed as exc:
+            outcomes[j] = exc
+
+    async with trio.open_nursery() as outer:
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one"],
+            placement=[c.node_id],
+            in_shape=(4,),
+            depth=1,
+        ) as pipe:
+            for j in range(3):
+                outer.start_soon(caller, pipe, j)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pipe.statistics().in_flight == 1  # one place: the others wait for it
+    # the item in flight when the block ended was drained (trio starts tasks in any order)
+    assert sorted(map(str, outcomes.values())) == sorted(
+        ["True", "the Ray pipeline is closed", "the Ray pipeline is closed"]
+    ), outcomes
+
+
 async def test_closed_pipeline_refuses(cluster: Cluster) -> None:
     async with open_ray_pipeline(
         ["hcqa.processes.stages:add_one"], placement=[{"resources": {"c": 1}}], in_shape=(4,)

@@ -124,6 +124,7 @@ class RayPipeline:
         self._in_flight: list[_Batch] = []  # oldest first
         self._nursery: trio.Nursery | None = None
         self._closing = False
+        self._draining = False  # the block is ending: no more places are handed out
         self._progress = 0.0  # when a batch last moved (or the pipeline went busy)
         self._idle: trio.Event | None = None  # the watchdog sleeps on it while idle
         self._empty: trio.Event | None = None  # a drain waits on it
@@ -173,15 +174,17 @@ class RayPipeline:
     def _refusal(self) -> HcqaError:
         if self.fault is not None:
             return self.fault
+        if not self._closing:
+            return DeviceClosed("the Ray pipeline is closing (its block is ending)")
         return DeviceClosed("the Ray pipeline is closed")
 
     async def _take(self) -> None:
         """One of ``capacity`` places in flight (FIFO while all are taken)."""
-        if self._closing or self.fault is not None:
+        await trio.lowlevel.checkpoint()  # a cancellation point before anything is taken
+        if self._draining or self.fault is not None:
             raise self._refusal()
         if self._taken < self.capacity and not self._slot_waiters:
             self._taken += 1
-            await trio.lowlevel.checkpoint()
             return
         event = trio.Event()
         self._slot_waiters.append(event)
@@ -190,16 +193,16 @@ class RayPipeline:
         except BaseException:
             if event in self._slot_waiters:
                 self._slot_waiters.remove(event)
-            elif not (self._closing or self.fault is not None):
+            elif not (self._draining or self.fault is not None):
                 self._give(1)  # handed a place just as it was cancelled: pass it on
             raise
-        if self._closing or self.fault is not None:
+        if self._draining or self.fault is not None:
             raise self._refusal()
 
     def _give(self, n: int) -> None:
         """``n`` places come back: straight to the first waiters."""
         self._taken -= n
-        while self._slot_waiters and self._taken < self.capacity:
+        while self._slot_waiters and self._taken < self.capacity and not self._draining:
             self._taken += 1
             self._slot_waiters.popleft().set()
 
@@ -401,7 +404,9 @@ class RayPipeline:
     # -- closing ---------------------------------------------------------------------------
 
     async def _drain(self, grace: float) -> None:
-        """A normal exit: let the items in flight finish (within ``grace``)."""
+        """A normal exit: let the items in flight finish (within ``grace``); callers still
+        waiting for a place get none (``_close`` refuses them)."""
+        self._draining = True
         with trio.move_on_after(grace):
             while (self._in_flight or self._pending) and self.fault is None:
                 self._empty = trio.Event()
@@ -409,7 +414,7 @@ class RayPipeline:
 
     def _close(self) -> None:
         """Every waiting call raises DeviceClosed (or the fault); every later one too."""
-        self._closing = True
+        self._closing = self._draining = True
         refusal = self._refusal()
         for b in self._in_flight:
             for it in b.items:
