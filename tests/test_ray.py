@@ -429,6 +429,21 @@ async def test_close_drains_items_in_flight_and_refuses_waiting_callers(
     ), outcomes
 
 
+async def test_stage_that_cannot_load_fails_the_open_naming_node(cluster: Cluster) -> None:
+    b = node_of(cluster, "b")
+    total = ray.cluster_resources()["b"]
+    with pytest.raises(DeviceFault) as info:
+        async with open_ray_pipeline(
+            ["hcqa.processes.stages:add_one", "_no_such_module:stage"],
+            placement=[b.node_id, {"resources": {"b": 1}}],
+            in_shape=(4,),
+        ):
+            pass
+    assert "stage 1 ('_no_such_module:stage')" in str(info.value)
+    assert b.node_id in str(info.value)  # the only node with resource b
+    assert ray.available_resources().get("b", 0) == total  # its actors are gone
+
+
 async def test_closed_pipeline_refuses(cluster: Cluster) -> None:
     async with open_ray_pipeline(
         ["hcqa.processes.stages:add_one"], placement=[{"resources": {"c": 1}}], in_shape=(4,)

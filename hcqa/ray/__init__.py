@@ -23,7 +23,7 @@ How an item travels
     -- or the items themselves. One call per batch per hop, not per item: Ray's
     per-call cost (a millisecond or more on a small host) is paid once for every item
     that was ready. Only the last ObjectRef (or a local segment's input) is waited for
-    in the driver, woken by Ray's callback (``_refs``), never by polling. At most
+    in the driver, woken by Ray's callback (``pipeline.resolve``), never by polling. At most
     ``depth`` items per segment are in flight; further callers wait, FIFO.
 
 Faults and hangs

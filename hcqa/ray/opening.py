@@ -44,9 +44,8 @@ from hcqa.errors import HcqaError, InvalidCommand, SignalTimeout
 from hcqa.processes import ProcessStage, open_process_pipeline
 from hcqa.processes._checks import check_arguments
 from hcqa.ray._checks import Placement, Segment, check_cluster, check_placement, segments
-from hcqa.ray._refs import resolve
 from hcqa.ray._segment import SegmentActor
-from hcqa.ray.pipeline import RayPipeline, Runner, _kill_actors
+from hcqa.ray.pipeline import RayPipeline, Runner, _kill_actors, resolve
 
 __all__ = ["open_ray_pipeline"]
 

@@ -5,10 +5,19 @@ segments' actors. This module holds the item path -- callers park on an event, t
 ready items are cut into batches and each batch walks the segments (a Ray call per
 remote segment, chained by ObjectRef; a local process pipeline in the driver) -- and
 turns every way a batch can end into each of its callers' result or one sticky fault.
+
+Waiting for Ray from trio (:func:`resolve`): ``ref.future()`` gives a
+``concurrent.futures.Future`` that Ray completes on one of its own threads (it fetches
+and deserializes the value there). Its done-callback hands one ``Event.set`` to the trio
+loop with ``TrioToken.run_sync_soon`` -- which works the same in a plain trio run and in
+hcqa's trio guest run on an asyncio loop -- so a waiting task sleeps until Ray says the
+object is there: no polling, no thread of ours. A cancelled waiter just stops waiting;
+the late callback sets an event nobody waits on (or, after the run ended, is dropped).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -25,14 +34,30 @@ from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, SignalTimeout
 from hcqa.pipeline import check_input
 from hcqa.processes import ProcessPipeline
 from hcqa.ray._checks import Segment
-from hcqa.ray._refs import resolve
 from hcqa.ray._segment import name_fault, run_items
 
-__all__ = ["BACKSTOP", "INLINE", "RayPipeline", "RayPipelineStatistics", "Runner"]
+__all__ = ["BACKSTOP", "INLINE", "RayPipeline", "RayPipelineStatistics", "Runner", "resolve"]
 
 INLINE = 64 * 1024  # bytes: larger batches are handed to Ray off the loop; smaller
 # results are copied (writable) instead of returned as read-only views of Ray's buffers
 BACKSTOP = 1.5  # the driver's watchdog waits this many hang limits (see _watchdog)
+
+
+async def resolve(ref: Any) -> Any:
+    """The value of the ObjectRef ``ref`` (Ray's error for it is raised as it is)."""
+    token = trio.lowlevel.current_trio_token()
+    event = trio.Event()
+    future: concurrent.futures.Future[Any] = ref.future()
+
+    def done(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
+
+    future.add_done_callback(done)
+    await event.wait()
+    return future.result()
 
 
 @attrs.frozen(kw_only=True)
