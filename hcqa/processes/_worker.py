@@ -9,10 +9,10 @@ the coordinator is still its parent; it then checks its peer's credentials, rece
 the stage (``"module:function"``, or a factory and its arguments), its input and output
 slots as memfds, and its three signals -- maps them, sends back its own eventfds,
 receives its peers' and then runs the stage in its engine thread (:func:`_stage_loop`),
-sleeping in ``wait_sync`` between items. Its trio side only watches the socket: on
-``stop`` or the coordinator's end closing the process exits at once (``os._exit``: a
-stage stuck in a call does not hold it, and the interpreter's slow teardown is
-skipped). A stage that raises sends its error back as a ``fault`` message.
+asleep in a blocking read of its input signal's eventfd between items. Its trio side
+only watches the socket: on ``stop`` or the coordinator's end closing the process exits
+at once (``os._exit``: a stage stuck in a call does not hold it, and the interpreter's
+slow teardown is skipped). A stage that raises sends its error back as a ``fault`` message.
 """
 
 from __future__ import annotations
@@ -142,13 +142,33 @@ def _stage_loop(
 
     Item ``k`` reads input slot ``table[k % depth, 0]`` and writes output slot
     ``table[k % depth, column]`` (the last stage may write a loan slot). Returns None
-    when stopped (the signals were broken), or the stage's error."""
+    when stopped (the signals were broken), or the stage's error.
+
+    Between items the thread sleeps in a plain blocking ``read(2)`` of its input
+    signal's eventfd -- one syscall a hop, no timer -- rather than a ``Signal`` wait
+    (``poll`` with a timeout, then a read). That is sound because this thread is the
+    eventfd's only reader in this process, and every producer of the input writes the
+    value and *then* the eventfd: the coordinator's ``_feed`` and the previous stage's
+    loop (both through ``_set_from_engine``, which writes every peer), and a break
+    (``Signal._break``). So the timed re-read a ``Signal`` wait keeps for producers
+    that write memory only is not needed here, and an idle worker makes no wake-up at
+    all. The eventfd is made blocking for this: only this thread reads it, and an
+    eventfd write never blocks (the counter can't get near its limit)."""
     depth = len(table)
+    efd = inp.fd
+    os.set_blocking(efd, True)
+    inp._alone = True  # a value set in this process writes the eventfd too
+    value = inp._value
+    read = os.eventfd_read
     k = 0
     try:
         while True:
             k += 1
-            inp._wait_alone(k)  # item k's input is in place, and its slots in the table
+            # item k's input is in place, and its slots in the table
+            while value.value < k:
+                if inp._broken is not None:
+                    inp._raise_broken()
+                read(efd)  # the GIL is released while blocked
             i = k % depth
             fn(outs[int(table[i, column])], ins[int(table[i, 0])])
             done._set_from_engine(k)

@@ -113,6 +113,9 @@ class ProcessPipeline:
                 f"buffers) could not be allocated: {exc.strerror or exc}"
             ) from exc
         self._table = self.slot_table._kernel_array()
+        # row r of the table is [2 r], [2 r + 1] (a cast never copies: it refuses a
+        # table that is not one contiguous buffer)
+        self._rows = self._table.data.cast("B").cast("q")
         self.pool = SlotPool(depth, loans)
         self.loaned = 0  # outputs handed out without a copy
         self.signals: dict[str, Signal] = {"fed": Signal(name="fed")}
@@ -156,10 +159,19 @@ class ProcessPipeline:
         if aio.asyncio_caller():
             return await aio.call(self.__call__, x)
         arr = check_input(x, self.in_shape, self.dtype)
-        k, slot, oslot = await self._take(fast=True, loan=True)
+        # The common case costs no coroutine, lambda or await before the item's own wait:
+        # a free slot is taken at once, and a small input copied straight into it.
+        taken = self.pool.take_nowait(loan=True)
+        if taken is None:
+            taken = await self.pool.take(fast=True, loan=True)
+        k, slot, oslot = taken
+        self._enter(k, slot, oslot)
         fed = lent = False
         try:
-            await _items.copy(self._inputs[slot], arr, lambda: self._copy_in(slot, arr))
+            if arr.nbytes <= _items.INLINE_COPY:
+                np.copyto(self._inputs[slot], arr)
+            else:
+                await _items.copy(self._inputs[slot], arr, lambda: self._copy_in(slot, arr))
             fed = True
             self._feed(k)
             await self._last.wait(k)
@@ -168,6 +180,8 @@ class ProcessPipeline:
                 lent = True
                 return self._lend(oslot)
             view = self._outputs[slot]
+            if view.nbytes <= _items.INLINE_COPY:
+                return view.copy()
             out = np.empty_like(view)
             await _items.copy(out, view, lambda: self.buffers[-1][slot].copyout(out))
             return out
@@ -179,9 +193,15 @@ class ProcessPipeline:
     async def _take(self, *, fast: bool, loan: bool) -> tuple[int, int, int]:
         """A slot for the next item (see ``SlotPool.take``), entered in the slot table."""
         k, slot, oslot = await self.pool.take(fast=fast, loan=loan)
-        row = self._table[k % self.depth]
-        row[0], row[1] = slot, oslot
+        self._enter(k, slot, oslot)
         return k, slot, oslot
+
+    def _enter(self, k: int, slot: int, oslot: int) -> None:
+        """Item ``k``'s row of the slot table: its slot and its output slot."""
+        row = 2 * (k % self.depth)
+        rows = self._rows
+        rows[row] = slot
+        rows[row + 1] = oslot
 
     async def _copy_in(self, slot: int, arr: npt.NDArray[Any]) -> None:
         """The largest inputs go through the copy engine: shielded, so a cancelled caller
