@@ -151,6 +151,7 @@ async def open_process_pipeline(
                 pipe._inputs, pipe._outputs = [], []
                 pipe.slot_table._array = None
                 pipe._table = np.empty(0, np.int64)
+                pipe._rows = memoryview(b"").cast("q")
             if error is not None:
                 raise error
     finally:
