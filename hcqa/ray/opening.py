@@ -151,7 +151,8 @@ async def open_ray_pipeline(
                 if local and p.node == here:
                     r.pipe = await stack.enter_async_context(_open_local(r, options))
                 else:
-                    r.actor = _start_actor(r.segment, p, options)
+                    # the first creation exports the class to Ray (a blocking call)
+                    r.actor = await trio.to_thread.run_sync(_start_actor, r.segment, p, options)
             await _open_actors(runners, start_limit)
         except BaseException:
             with trio.CancelScope(shield=True):
