@@ -32,18 +32,21 @@ Faults and hangs
     whole pipeline and its function) and the node (id and address). A dead actor or
     node (``RayActorError``, ``ObjectLostError``, ...) is a ``DeviceFault`` naming the
     segment and its node. Either is **sticky**: every waiting call and every later one
-    raises that instance, and the actors are killed. A watchdog (asleep while idle)
-    faults the pipeline with :class:`~hcqa.errors.SignalTimeout` when no batch has left
-    any segment for ``hang_limit`` while items are in flight -- this is also how a node
-    that vanishes without Ray noticing yet ends every waiting call in time.
+    raises that instance, and the actors are killed. Hangs: each segment's process
+    pipeline watches its own stages with ``hang_limit`` and its
+    :class:`~hcqa.errors.SignalTimeout` names the stalled stage, worker and node. The
+    driver's watchdog (asleep while idle) is the backstop for what cannot report -- a
+    node cut off before Ray declares it dead: no batch leaving any segment for 1.5 x
+    ``hang_limit`` while items are in flight is a ``SignalTimeout`` naming the segment.
 
 Cancellation and closing
     A cancelled caller's item finishes and is dropped; results are matched to callers
     by their place in their own batch, so nobody is handed another's result, and the
     cancelled item's place in flight comes back only when its batch ends. Closing
-    drains the items in flight (within ``grace``), wakes every waiting call with
-    :class:`~hcqa.errors.DeviceClosed`, closes each actor's pipeline, kills the actors
-    and waits until Ray reports them dead (``opening``).
+    drains the items in flight (within ``grace``; callers still waiting for a place get
+    none), wakes every waiting call with :class:`~hcqa.errors.DeviceClosed`, closes each
+    actor's pipeline, kills the actors and waits until Ray reports them dead and their
+    resources free (``opening``).
 """
 
 from __future__ import annotations
