@@ -155,6 +155,9 @@ def _stage_loop(
     all. The eventfd is made blocking for this: only this thread reads it, and an
     eventfd write never blocks (the counter can't get near its limit)."""
     depth = len(table)
+    # row r of the table is rows[2 r], rows[2 r + 1] (a cast never copies: it refuses a
+    # table that is not one contiguous buffer)
+    rows = table.data.cast("B").cast("q")
     efd = inp.fd
     os.set_blocking(efd, True)
     inp._alone = True  # a value set in this process writes the eventfd too
@@ -169,8 +172,8 @@ def _stage_loop(
                 if inp._broken is not None:
                     inp._raise_broken()
                 read(efd)  # the GIL is released while blocked
-            i = k % depth
-            fn(outs[int(table[i, column])], ins[int(table[i, 0])])
+            row = 2 * (k % depth)
+            fn(outs[rows[row + column]], ins[rows[row]])
             done._set_from_engine(k)
     except DeviceClosed:
         return None
