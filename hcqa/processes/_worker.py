@@ -97,6 +97,10 @@ async def _worker_main(fd: int) -> None:
             for name, pfd in zip(peers["names"], pfds, strict=True):
                 by_name[name].add_peer(pfd)
             inp, done = sigs
+            # Every write of ``done`` wakes the next stage first: the coordinator's eventfd
+            # (attached first) only matters for the last stage, the one it waits on.
+            # (The stage thread, the only writer, has not started yet.)
+            done._peers.reverse()
             ins = [b._kernel_array() for b in buffers[:n_in]]
             outs = [b._kernel_array() for b in buffers[n_in : n_in + n_out]]
             table = buffers[n_in + n_out]._kernel_array()
