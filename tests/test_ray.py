@@ -181,13 +181,16 @@ async def test_stage_raises_is_sticky_fault_naming_node_and_stage(cluster: Clust
 
 
 async def test_cancelled_callers_leave_others_exact(cluster: Cluster) -> None:
-    b = node_of(cluster, "b")
+    head = node_of(cluster, "head")
     async with open_ray_pipeline(
         ["hcqa.processes.stages:add_one"] * 2,
-        placement=[b.node_id, {"resources": {"c": 1}}],
+        placement=[head.node_id, {"resources": {"c": 1}}],
         in_shape=(16,),
         depth=2,
+        local=False,  # the driver's node too in an actor
     ) as pipe:
+        assert pipe.statistics().local == (False, False)
+        assert parent_pid(pipe.statistics().hosts[0]) == raylet_pid(head)
         results: dict[int, bool] = {}
 
         async def caller(j: int) -> None:
