@@ -50,7 +50,6 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,7 +66,15 @@ from bench._ray_primitives import (
     start_cluster,
 )
 from bench._util import markdown_table, percentile
-from bench.bench_workers import CpuWindow, descendants, emit, emit_latency, guarded, start_time
+from bench.bench_workers import (
+    CpuWindow,
+    Plan,
+    descendants,
+    emit,
+    emit_latency,
+    guarded,
+    start_time,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = 16  # float32 items
@@ -80,19 +87,6 @@ NODES = ("node_a", "node_a", "node_b", "node_b")  # the placement of the 4 stage
 LATENCY_TARGET = 0.5  # hcqa p50 / Ray CG p50 at most
 THROUGHPUT_TARGET = 2.0  # hcqa items/s / Ray CG items/s at least
 IDLE_TARGET = 5.0  # % of one core, all hcqa processes together
-
-
-@dataclass(frozen=True)
-class Plan:
-    name: str
-    rounds: int
-    warmup: int
-    lat_small: int
-    lat_big: int
-    tput_small: int
-    tput_big: int
-    idle_s: float
-    child_timeout_s: float
 
 
 FULL = Plan("full", 3, 50, 400, 60, 1500, 60, 2.0, 100.0)
