@@ -185,6 +185,11 @@ class Signal:
         self._owner: Waiter | None = None
         self._poller: Any = None  # the owning thread's select.poll, kept across waits
         self._alone = False  # a thread waits with _wait_alone: always write the eventfd
+        # Whether a producer may write the value without the eventfd (a device, a C
+        # kernel): then a trio owner of the eventfd joins the run's re-reader. An owner
+        # that knows every producer writes the eventfd after the value (another hcqa
+        # process through ``add_peer``, say) clears it and waits with no timer at all.
+        self._rereads = True
         self._broken: BaseException | None = None
         self._closed = False
         # Engine writes hold the lock close() takes (see _set_from_engine). A device
@@ -513,7 +518,9 @@ class Signal:
                     break
                 yielded = True
                 if owner:  # an owner stays one until it leaves: drain until done
-                    rereader.add(self)  # memory-only writes reach the eventfd through it
+                    rereads = self._rereads
+                    if rereads:
+                        rereader.add(self)  # memory-only writes reach the eventfd through it
                     try:
                         while True:
                             await trio.lowlevel.wait_readable(self._fd)
@@ -521,7 +528,8 @@ class Signal:
                             if self._outcome(target) or waiter.expired:
                                 break
                     finally:
-                        rereader.remove(self)
+                        if rereads:
+                            rereader.remove(self)
                     break
                 waiter.parked = True
                 try:

@@ -240,6 +240,31 @@ async def test_a_slow_but_progressing_stage_is_not_a_hang() -> None:
         assert not pipe.statistics().faulted
 
 
+async def test_a_call_waits_for_its_item_with_no_rereader_timer() -> None:
+    # the last stage always writes the coordinator's eventfd after the value, so a caller
+    # waiting for its item sleeps on that eventfd alone: the run's re-reader watches no
+    # pipeline signal and does not tick while the stage runs
+    from hcqa import _rereader
+
+    stage = hcqa.ProcessStage(fn="_stages:sleepy", args={"seconds": 0.3})
+    async with open_process_pipeline([stage], in_shape=(4,), path=[TESTS]) as pipe:
+        rereader = _rereader.watch()
+        results: list[Any] = []
+
+        async def call() -> None:
+            results.append(await pipe(np.full(4, 2, np.float32)))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.testing.wait_all_tasks_blocked()
+                watched = set(rereader.watched) & set(pipe.signals.values())
+                ticks = rereader.ticks
+        assert watched == set()
+        assert rereader.ticks <= ticks + 1  # (one tick may have been due as a wait began)
+        np.testing.assert_array_equal(results[0], np.full(4, 3.0))
+
+
 async def test_an_idle_pipeline_is_not_a_hang_and_costs_no_cpu() -> None:
     async with open_process_pipeline([ADD], in_shape=(4,), hang_limit=0.05) as pipe:
         await pipe(np.zeros(4, np.float32))

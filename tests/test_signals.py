@@ -1406,3 +1406,31 @@ async def test_rereader_timer_backs_off_and_parks_when_nothing_is_watched() -> N
     await trio.sleep(3 * ceiling)  # an idle stretch: the re-reader must not tick
     assert rereader.ticks <= ticks + 1  # (one tick may have been due as the wait ended)
     idle(sig)
+
+
+async def test_owner_of_a_signal_whose_producers_write_the_eventfd_joins_no_rereader() -> None:
+    # _rereads False: the owner waits on the eventfd alone (no timer); a write through
+    # the setter (value, then eventfd) still wakes it. A default signal's owner is watched.
+    from hcqa import _rereader
+
+    rereader = _rereader.watch()
+    quiet, plain = Signal(name="quiet"), Signal(name="plain")
+    quiet._rereads = False
+    seen: dict[str, bool] = {}
+
+    async def waiter(sig: Signal) -> None:
+        await sig.wait(1)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, quiet)
+            nursery.start_soon(waiter, plain)
+            await wait_all_tasks_blocked()
+            seen["quiet"] = quiet in rereader.watched
+            seen["plain"] = plain in rereader.watched
+            quiet.value = 1
+            plain.value = 1
+    assert seen == {"quiet": False, "plain": True}
+    assert rereader.watched == {}
+    idle(quiet)
+    idle(plain)

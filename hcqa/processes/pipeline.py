@@ -123,6 +123,9 @@ class ProcessPipeline:
             self.signals[f"done{i}"] = Signal(name=f"done{i}")
         self._fed_signal = self.signals["fed"]
         self._last = self.signals[f"done{len(self.stages) - 1}"]
+        # Only the last worker writes it, always value then eventfd (a peer's eventfd is
+        # written on every set): its waits here need no timed re-read of memory.
+        self._last._rereads = False
         # the slots as arrays: the first stage's inputs, the last stage's outputs
         self._inputs = [b._kernel_array() for b in self.buffers[0]]
         self._outputs = [b._kernel_array() for b in self.buffers[-1][:depth]]
