@@ -355,15 +355,7 @@ class RayPipeline:
         if self.fault is not None:
             return
         self.fault = fault
-        for b in self._in_flight:
-            for it in b.items:
-                it.finish(None, fault)
-        for it in self._pending:
-            it.finish(None, fault)
-        while self._slot_waiters:
-            self._slot_waiters.popleft().set()
-        if self._idle is not None:
-            self._idle.set()
+        self._end_every_call(fault)
         if self._nursery is not None:
             self._nursery.start_soon(self._kill, name="ray pipeline kill")
 
@@ -440,12 +432,16 @@ class RayPipeline:
     def _close(self) -> None:
         """Every waiting call raises DeviceClosed (or the fault); every later one too."""
         self._closing = self._draining = True
-        refusal = self._refusal()
+        self._end_every_call(self._refusal())
+
+    def _end_every_call(self, error: HcqaError) -> None:
+        """Every call in flight or pending raises ``error``; callers waiting for a place
+        wake (and find the refusal); the watchdog wakes to see it."""
         for b in self._in_flight:
             for it in b.items:
-                it.finish(None, refusal)
+                it.finish(None, error)
         for it in self._pending:
-            it.finish(None, refusal)
+            it.finish(None, error)
         while self._slot_waiters:
             self._slot_waiters.popleft().set()
         if self._idle is not None:
