@@ -7,7 +7,7 @@ transfers, copies, queue submits -- go to ``g`` instead of to the devices (the
 one hook is ``Device._submit``). Each enqueue becomes a *node* on its queue,
 with the buffers it reads and writes.
 
-At the end of the block the graph is *built*, once:
+At the end of the block the graph is *built*, once (``_graphbuild.py`` tells how):
 
 * Dependencies come from buffer access, as in eager mode: a node that reads a
   buffer depends on its last writer; one that writes depends on the last writer
@@ -56,18 +56,10 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
-from hcqa._patch import (
-    CommandSlot,
-    RunSlot,
-    buffers_of,
-    check_rebind,
-    rebind_command,
-    resolve_all,
-    symbols_of,
-)
+from hcqa._graphbuild import FinalState, Node, Part, build
+from hcqa._patch import check_rebind, rebind_command, resolve_all
 from hcqa.actors import Batch
 from hcqa.devices.buffer import hazard_waits
-from hcqa.devices.crunner import fuse_runs
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, Variable, VarVals, variables_of
@@ -78,35 +70,6 @@ if TYPE_CHECKING:
     from hcqa.devices.buffer import Buffer
 
 __all__ = ["Graph", "GraphStatistics", "capture", "current_capture"]
-
-
-@attrs.define(eq=False)
-class _Node:
-    index: int
-    actor: QueueActor
-    commands: list[Any]
-    reads: tuple[Buffer, ...]
-    writes: tuple[Buffer, ...]
-    also: tuple[Device, ...]
-    symbolic: bool
-    waits: list[tuple[QueueActor, int]] = attrs.Factory(list)  # (queue, position) kept
-    clock: dict[QueueActor, int] = attrs.Factory(dict)
-    signals: bool = False
-
-    @property
-    def label(self) -> str:
-        for c in self.commands:
-            if isinstance(c, cmd.Exec):
-                return c.program.name
-            if isinstance(c, cmd.Copy):
-                if isinstance(c.dest, cmd.HostMemoryRef):
-                    return "copyout"
-                if isinstance(c.src, cmd.HostMemoryRef):
-                    return "copyin"
-                return "transfer" if c.src.device is not c.dest.device else "copy"
-            if isinstance(c, cmd.Load):
-                return "load"
-        return "queue"
 
 
 @attrs.frozen(kw_only=True)
@@ -123,53 +86,12 @@ class GraphStatistics:
     variables: tuple[str, ...]
 
 
-@attrs.define(eq=False)
-class _Part:
-    """One queue's share of the graph: the template and its patch slots."""
-
-    actor: QueueActor
-    template: list[Any]
-    patches: list[tuple[int, str, Any]]  # (index, kind, data): signal and wait values
-    slots: list[tuple[int, CommandSlot | RunSlot]]  # entries with variables
-    touch: dict[Buffer, list[int]]  # template entries that mention each buffer
-    waits: bool  # whether the part's batch holds a Wait
-    nsignals: int
-    reads: tuple[Buffer, ...]
-    writes: tuple[Buffer, ...]
-    also: tuple[Device, ...]
-    transfers: list[int]  # signal indices after cross-device transfers, for the fan-out
-    read_at: dict[Buffer, int] = attrs.Factory(dict)  # positions in reads / writes
-    write_at: dict[Buffer, int] = attrs.Factory(dict)
-
-    def __attrs_post_init__(self) -> None:
-        self.read_at = {b: i for i, b in enumerate(self.reads)}
-        self.write_at = {b: i for i, b in enumerate(self.writes)}
-
-
-def _conflicts(
-    reads: Sequence[Buffer], writes: Sequence[Buffer], state: dict[int, Any]
-) -> list[_Node]:
-    """Graph-local hazards: the earlier nodes this access must follow."""
-    deps: list[_Node] = []
-    for b in reads:
-        last = state.get(id(b._hazards))
-        if last is not None and last[0] is not None:
-            deps.append(last[0])
-    for b in writes:
-        last = state.get(id(b._hazards))
-        if last is not None:
-            if last[0] is not None:
-                deps.append(last[0])
-            deps.extend(last[1])
-    return deps
-
-
 class Graph:
     """Captured work: replay with ``await g(**var_vals)`` or ``g.submit(**var_vals)``."""
 
     def __init__(self) -> None:
-        self._nodes: list[_Node] = []
-        self._parts: list[_Part] = []
+        self._nodes: list[Node] = []
+        self._parts: list[Part] = []
         self._built = False
         self._replays = 0
         self._dropped = 0
@@ -188,7 +110,7 @@ class Graph:
         self._owner_at: dict[Buffer, int] = {}
         self._final_at: dict[Buffer, int] = {}
         # per allocation touched: (a buffer, last writer queue or None, queues reading since)
-        self._final: list[tuple[Buffer, QueueActor | None, tuple[QueueActor, ...]]] = []
+        self._final: FinalState = []
 
     # -- capture -------------------------------------------------------------------------
 
@@ -215,7 +137,7 @@ class Graph:
                         symbolic = True
                         self._variables |= variables_of(v)
         self._nodes.append(
-            _Node(
+            Node(
                 index=len(self._nodes),
                 actor=actor,
                 commands=list(commands),
@@ -232,150 +154,19 @@ class Graph:
     def _build(self) -> None:
         self._built = True
         self._names = {v.name for v in self._variables}
-        order: dict[QueueActor, list[_Node]] = {}
-        position: dict[_Node, int] = {}
-        clocks: dict[QueueActor, dict[QueueActor, int]] = {}
-        state: dict[int, Any] = {}  # hazards id -> (last writer node, [readers since])
-        buffers: dict[int, Buffer] = {}
-        for node in self._nodes:
-            q = node.actor
-            queue_nodes = order.setdefault(q, [])
-            position[node] = len(queue_nodes)
-            queue_nodes.append(node)
-            clock = clocks.setdefault(q, {})
-            for dep in sorted(_conflicts(node.reads, node.writes, state), key=lambda n: n.index):
-                p = dep.actor
-                if p is q:
-                    continue
-                pos = position[dep]
-                if clock.get(p, -1) >= pos:
-                    self._dropped += 1
-                    continue
-                node.waits.append((p, pos))
-                dep.signals = True
-                for r, v in dep.clock.items():
-                    if clock.get(r, -1) < v:
-                        clock[r] = v
-                clock[p] = pos
-            clock[q] = position[node]
-            node.clock = dict(clock)
-            for b in node.reads:
-                entry = state.setdefault(id(b._hazards), [None, []])
-                entry[1].append(node)
-            for b in node.writes:
-                state[id(b._hazards)] = [node, []]
-            for b in (*node.reads, *node.writes):
-                buffers.setdefault(id(b._hazards), b)
-        self._owners = list({id(b._owner): b._owner for b in buffers.values()}.values())
-        for key, b in buffers.items():
-            writer, readers = state[key]
-            self._final.append(
-                (
-                    b,
-                    writer.actor if writer is not None else None,
-                    tuple(dict.fromkeys(r.actor for r in readers)),
-                )
-            )
-        # signal indices: 1-based count of signalling nodes up to and including each
-        sidx: dict[_Node, int] = {}
-        for nodes in order.values():
-            k = 0
-            for n in nodes:
-                if n.also:  # a cross-device transfer: the fan-out awaits its own point
-                    n.signals = True
-                if n.signals:
-                    k += 1
-                    sidx[n] = k
-        self._sink = self._nodes[-1].actor if self._nodes else None
-        for q, nodes in order.items():
-            self._parts.append(self._build_part(q, nodes, position, sidx, order))
-        symbols: dict[Any, None] = {}
-        for part in self._parts:
-            for _, slot in part.slots:
-                symbols.update(dict.fromkeys(slot.symbols))
-            for b in part.touch:
-                self._captured[b] = id(b._hazards)
-        self._symbols = tuple(symbols)
-        per_allocation: dict[int, int] = {}
-        for a in self._captured.values():
-            per_allocation[a] = per_allocation.get(a, 0) + 1
-        self._shared = {b for b, a in self._captured.items() if per_allocation[a] > 1}
-        self._allocations = frozenset(per_allocation)
-        self._owner_at = {b: i for i, b in enumerate(self._owners)}
-        self._final_at = {b: i for i, (b, _, _) in enumerate(self._final)}
-
-    def _build_part(
-        self,
-        q: QueueActor,
-        nodes: list[_Node],
-        position: dict[_Node, int],
-        sidx: dict[_Node, int],
-        order: dict[QueueActor, list[_Node]],
-    ) -> _Part:
-        template: list[Any] = []
-        patches: list[tuple[int, str, Any]] = []
-        transfers: list[int] = []
-        nsig = sum(1 for n in nodes if n.signals)
-        reads: dict[int, Buffer] = {}
-        writes: dict[int, Buffer] = {}
-        also: dict[int, Device] = {}
-        for n in nodes:
-            for p, pos in n.waits:
-                patches.append((len(template), "wait", (p, sidx[order[p][pos]])))
-                template.append(None)
-            for c in n.commands:
-                if n.symbolic and type(c) is not cmd.Exec and symbols_of(c):
-                    patches.append((len(template), "command", c))
-                    template.append(None)
-                else:  # static, or an Exec: fuse_runs makes a slot of it if it must
-                    template.append(c)
-            if n.signals:
-                patches.append((len(template), "signal", sidx[n]))
-                template.append(None)
-            if n.also:
-                transfers.append(sidx[n])
-            for b in n.reads:
-                reads.setdefault(id(b._hazards), b)
-            for b in n.writes:
-                writes[id(b._hazards)] = b
-            for d in n.also:
-                also[id(d)] = d
-        nsig += 1  # the part's final signal
-        patches.append((len(template), "signal", nsig))
-        template.append(None)
-        template, patches, fused = fuse_runs(template, patches)
-        self._native += fused
-        slots: list[tuple[int, CommandSlot | RunSlot]] = []
-        values: list[tuple[int, str, Any]] = []
-        for index, kind, data in patches:
-            if kind == "command":
-                slots.append((index, CommandSlot(data)))
-            elif kind == "run":
-                slots.append((index, RunSlot(data)))
-            else:
-                values.append((index, kind, data))
-        touch: dict[Buffer, list[int]] = {}
-        entries = [(i, c) for i, c in enumerate(template) if c is not None]
-        entries += [(i, s.command if isinstance(s, CommandSlot) else s.run) for i, s in slots]
-        for i, c in entries:
-            for b in dict.fromkeys(buffers_of(c)):
-                touch.setdefault(b, []).append(i)
-        waits = any(kind == "wait" for _, kind, _ in values) or any(
-            type(c) is cmd.Wait for c in template
-        )
-        return _Part(
-            actor=q,
-            template=template,
-            patches=values,
-            slots=slots,
-            touch=touch,
-            waits=waits,
-            nsignals=nsig,
-            reads=tuple(b for k, b in reads.items() if k not in writes),
-            writes=tuple(writes.values()),
-            also=tuple(also.values()),
-            transfers=transfers,
-        )
+        plan = build(self._nodes)
+        self._parts = plan.parts
+        self._dropped = plan.dropped
+        self._native = plan.native
+        self._sink = plan.sink
+        self._owners = plan.owners
+        self._final = plan.final
+        self._symbols = plan.symbols
+        self._captured = plan.captured
+        self._shared = plan.shared
+        self._allocations = plan.allocations
+        self._owner_at = plan.owner_at
+        self._final_at = plan.final_at
 
     # -- replay --------------------------------------------------------------------------
 
@@ -390,7 +181,7 @@ class Graph:
 
     def _batches(
         self, var_vals: VarVals, rebind: dict[Buffer, Buffer] | None
-    ) -> list[tuple[_Part, list[Any], int]]:
+    ) -> list[tuple[Part, list[Any], int]]:
         """Resolve every part's patches: (part, batch, base). Raises before anything is sent."""
         values = resolve_all(self._symbols, var_vals) if self._symbols else {}
         bases = {part.actor: part.actor.value for part in self._parts}
