@@ -1,0 +1,302 @@
+"""The Starlette app of ``hcqa.serve``: the endpoints and their errors.
+
+Theory of operation
+-------------------
+:func:`make_app` wraps a pipeline (and optionally a batcher) in four routes --
+``/health``, ``/stats``, ``/metrics`` and ``POST /infer`` -- behind the counting
+middleware of :mod:`hcqa.serve.metrics`. ``/infer`` admits a request (503 past
+``max_pending``), reads its body up to ``max_body`` (413), decodes it
+(:mod:`hcqa.serve.inputs`: 400 with what was expected and what came; JSON bodies past
+64 KiB are (de)serialised in a worker thread so the loop keeps routing), runs it -- one
+sample through the batcher, a batch directly in chunks of the pipeline's batch
+dimension -- and answers in the request's own encoding. A client that disconnects
+cancels its request. Device faults answer 500 (or 503 once the device is unusable) with
+the fault's message; every other HTTP error is JSON too.
+
+The endpoints await through anyio, not trio, so the app also runs under an asyncio
+server (uvicorn); the pipeline and batcher it awaits are hcqa's, which host themselves
+on asyncio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+import numpy.typing as npt
+from prometheus_client import generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from hcqa.batcher import Batcher
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
+from hcqa.serve.inputs import InputError, from_json, from_raw
+from hcqa.serve.metrics import ENDPOINTS, Measured, State
+
+__all__ = ["make_app"]
+
+JSON_TYPE = "application/json"
+RAW_TYPE = "application/octet-stream"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_OFFLOAD_BYTES = 1 << 16  # (de)serialise JSON bodies larger than this in a worker thread
+
+
+def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(json.dumps(doc).encode(), status, headers, media_type=JSON_TYPE)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(status, {"error": " ".join(message.split())})
+
+
+class _Disconnected(Exception):
+    """The client went away before its answer was ready: nobody to answer."""
+
+
+class _Endpoints:
+    def __init__(self, state: State) -> None:
+        self.st = state
+
+    async def health(self, request: Request) -> Response:
+        st = self.st
+        devices = st.device_rows()
+        bad = [d["name"] for d in devices if d["faulted"] or d["hung"] or d["closed"]]
+        p = st.pipeline.statistics()
+        doc = {
+            "status": "unavailable" if bad else "ok",
+            "unavailable": bad,
+            "uptime_s": round(time.monotonic() - st.started, 3),
+            "requests_pending": st.pending,
+            "pipeline": {"depth": p.depth, "in_flight": p.in_flight, "completed": p.completed},
+            "devices": devices,
+        }
+        return _json(503 if bad else 200, doc)
+
+    async def stats(self, request: Request) -> Response:
+        st = self.st
+        lat = sorted(st.latencies)
+        p50 = p99 = None  # nearest-rank percentiles in ms (numpy's "inverted_cdf")
+        if lat:
+            p50, p99 = (np.percentile(lat, [50, 99], method="inverted_cdf") * 1e3).tolist()
+        p = st.pipeline
+        doc = {
+            "input": {"shape": list(st.shape.sample_shape), "dtype": str(st.shape.dtype)},
+            "batch_input": {"shape": list(p.in_shape), "dtype": str(st.shape.dtype)},
+            "uptime_s": round(time.monotonic() - st.started, 3),
+            "requests_pending": st.pending,
+            "infer_ms": {
+                "count": len(lat),
+                "p50": p50,
+                "p99": p99,
+                "max": lat[-1] * 1e3 if lat else None,
+            },
+            "batcher": None if st.batcher is None else _plain(st.batcher.statistics()),
+            "pipeline": _plain(p.statistics()),
+            "devices": [_plain(d.statistics()) for d in st.devices],
+        }
+        return _json(200, doc)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.st.registry), media_type=METRICS_TYPE)
+
+    async def infer(self, request: Request) -> Response:
+        st = self.st
+        if st.max_pending is not None and st.pending >= st.max_pending:
+            return _error(503, f"too many requests waiting (limit {st.max_pending})")
+        st.pending += 1
+        t0 = time.perf_counter()
+        try:
+            response = await self._infer(request)
+        except InputError as exc:
+            return _error(exc.status, str(exc))
+        finally:
+            st.pending -= 1
+        if response.status_code == 200:
+            st.latencies.append(time.perf_counter() - t0)
+            if len(st.latencies) > 8192:
+                del st.latencies[:4096]
+        return response
+
+    async def _infer(self, request: Request) -> Response:
+        st = self.st
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype not in (JSON_TYPE, RAW_TYPE):
+            return _error(
+                415, f"Content-Type must be {JSON_TYPE} or {RAW_TYPE} (got {ctype or 'none'})"
+            )
+        body = await self._body(request)
+        big = len(body) > _OFFLOAD_BYTES
+        if ctype == RAW_TYPE:
+            x, single = from_raw(body, st.shape)
+        elif big:
+            x, single = await anyio.to_thread.run_sync(from_json, body, st.shape)
+        else:
+            x, single = from_json(body, st.shape)
+        try:
+            y = await self._cancel_on_disconnect(request, self._run, x, single)
+        except _Disconnected:
+            return Response(status_code=499)  # nobody reads it
+        except (InvalidCommand, TypeError) as exc:
+            return _error(400, str(exc))
+        except DeviceFault as exc:
+            return _error(500, f"DeviceFault: {exc}")
+        except (DeviceClosed, HcqaError) as exc:
+            return _error(503, f"{type(exc).__name__}: {exc}")
+        if ctype == JSON_TYPE:
+            out = await anyio.to_thread.run_sync(_to_json, y) if big else _to_json(y)
+            return Response(out, media_type=JSON_TYPE)
+        shape = ",".join(map(str, y.shape))
+        headers = {"x-hcqa-shape": shape, "x-hcqa-dtype": str(y.dtype)}
+        data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
+        return Response(data, headers=headers, media_type=RAW_TYPE)
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.st.max_body
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise InputError(413, f"body larger than {limit} bytes (got {int(declared)} bytes)")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise InputError(413, f"body larger than {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _cancel_on_disconnect(
+        self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
+    ) -> npt.NDArray[Any]:
+        """``await fn(*args)``, cancelled if the client disconnects meanwhile."""
+        result: list[npt.NDArray[Any]] = []
+        error: list[BaseException] = []
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                result.append(await fn(*args))
+            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+                error.append(exc)
+            tg.cancel_scope.cancel()
+        if error:
+            raise error[0]
+        if not result:
+            raise _Disconnected
+        return result[0]
+
+    async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]:
+        st = self.st
+        if single and st.batcher is not None:
+            return await st.batcher(x)
+        rows = x[None] if single else x
+        chunks = [rows[i : i + st.rows] for i in range(0, len(rows), st.rows)]
+        outs: list[npt.NDArray[Any] | None] = [None] * len(chunks)
+
+        async def one(i: int) -> None:
+            chunk = chunks[i]
+            if len(chunk) < st.rows:
+                padded = np.zeros((st.rows, *st.shape.sample_shape), st.shape.dtype)
+                padded[: len(chunk)] = chunk
+                chunk = padded
+            outs[i] = np.asarray(await st.pipeline(chunk))[: len(chunks[i])]
+
+        if len(chunks) == 1:
+            await one(0)
+        else:
+            errors: list[Exception] = []
+
+            async def guarded(i: int, scope: anyio.CancelScope) -> None:
+                try:
+                    await one(i)
+                except Exception as exc:
+                    errors.append(exc)
+                    scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(chunks)):
+                    tg.start_soon(guarded, i, tg.cancel_scope)
+            if errors:
+                raise errors[0]
+        y = np.concatenate([o for o in outs if o is not None]) if len(outs) > 1 else outs[0]
+        assert y is not None
+        return y[0] if single else y
+
+
+def _plain(stats: Any) -> Any:
+    """``stats`` as JSON-ready data: NaN (no data yet) becomes null."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        return v if isinstance(v, int | float | str | bool | None) else str(v)
+
+    return clean(attrs.asdict(stats))
+
+
+def _to_json(y: npt.NDArray[Any]) -> bytes:
+    doc = {"outputs": y.tolist(), "shape": list(y.shape), "dtype": str(y.dtype)}
+    return json.dumps(doc).encode()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    path = request.url.path
+    if exc.status_code == 404:
+        return _error(404, f"no endpoint {path} (try {', '.join(ENDPOINTS)})")
+    if exc.status_code == 405:
+        return _error(405, f"method {request.method} not allowed on {path}")
+    return _error(exc.status_code, str(exc.detail))
+
+
+def make_app(
+    pipeline: Any,
+    *,
+    batcher: Batcher | None = None,
+    max_pending: int | None = None,
+    max_body: int | None = None,
+) -> ASGIApp:
+    """An ASGI app serving ``pipeline`` (a ``Pipeline`` or ``ProcessPipeline``).
+
+    ``batcher``: single samples go through it (see :func:`hcqa.open_batcher`); without one
+    each runs alone. ``max_pending``: answer ``503`` to an ``/infer`` request when that many
+    are already admitted (None: no limit). ``max_body``: the largest request body accepted
+    (default: 32 times the raw size of one pipeline batch, at least 1 MiB).
+    """
+    if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
+        raise TypeError(
+            f"make_app needs a hcqa.Pipeline or ProcessPipeline (got {type(pipeline).__name__})"
+        )
+    if len(pipeline.in_shape) < 1:
+        raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
+    if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
+        raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
+    state = State(pipeline, batcher, max_pending=max_pending, max_body=max_body)
+    ep = _Endpoints(state)
+    routes = [
+        Route("/health", ep.health, methods=["GET"]),
+        Route("/stats", ep.stats, methods=["GET"]),
+        Route("/metrics", ep.metrics, methods=["GET"]),
+        Route("/infer", ep.infer, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.hcqa = state
+    return Measured(app, state)

@@ -1,0 +1,190 @@
+"""What a served app counts and exposes at ``GET /metrics``.
+
+Theory of operation
+-------------------
+Each app made by :func:`hcqa.serve.make_app` owns one :class:`State`: the pipeline and
+batcher it serves, the admission counter behind ``max_pending``, the body limit, and a
+*private* Prometheus ``CollectorRegistry`` -- two apps in one process never share a
+counter. Two kinds of metric live there:
+
+- **Counted as requests pass**: :class:`Measured` is an ASGI middleware around the whole
+  app that counts every HTTP request by endpoint and status and observes its latency
+  (first byte in to response out). A request whose client left (status 499) is not
+  counted: nobody saw an answer.
+- **Read when scraped**: :class:`ScrapeTime` is a custom collector that reads the
+  batcher's, the pipeline's and the devices' ``statistics()`` only when ``/metrics`` is
+  scraped, so a busy server pays nothing between scrapes for queue depths, batches in
+  flight, the batch-size histogram and each device's busy and usable state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hcqa.batcher import Batcher
+from hcqa.devices.base import Device
+from hcqa.serve.inputs import Shape
+
+__all__ = ["ENDPOINTS", "Measured", "ScrapeTime", "State"]
+
+ENDPOINTS = ("/health", "/infer", "/metrics", "/stats")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+
+class State:
+    """What the endpoints share: the pipeline, the batcher, counters and metrics."""
+
+    def __init__(
+        self,
+        pipeline: Any,
+        batcher: Batcher | None,
+        *,
+        max_pending: int | None,
+        max_body: int | None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.batcher = batcher
+        self.max_pending = max_pending
+        self.rows = int(pipeline.in_shape[0])
+        self.shape = Shape(tuple(pipeline.in_shape[1:]), np.dtype(pipeline.dtype))
+        batch_nbytes = self.rows * self.shape.nbytes
+        self.max_body = max_body or max(1 << 20, 32 * batch_nbytes)
+        devices = [getattr(s, "device", None) for s in getattr(pipeline, "stages", ())]
+        devices.append(getattr(pipeline, "device", None))
+        self.devices: list[Device] = list(
+            {id(d): d for d in devices if isinstance(d, Device)}.values()
+        )
+        self.started = time.monotonic()
+        self.pending = 0  # /infer requests admitted and not yet answered
+        self.latencies: list[float] = []  # successful /infer, seconds; last 4096
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "hcqa_requests",
+            "HTTP requests answered",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "hcqa_request_duration_seconds",
+            "HTTP request latency, from the first byte of the request to the response",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(ScrapeTime(self))
+
+    def device_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for d in self.devices:
+            s = d.statistics()
+            rows.append(
+                {
+                    "name": s.name,
+                    "timeline": s.timeline_value,
+                    "pending": sum(q.submitted - q.completed for q in s.queues),
+                    "faulted": s.faulted,
+                    "hung": s.hung,
+                    "closed": s.closed,
+                }
+            )
+        return rows
+
+
+class ScrapeTime(Collector):
+    """Metrics read from the batcher, pipeline and devices when ``/metrics`` is scraped."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def collect(self) -> Iterable[Any]:
+        st = self.state
+        yield GaugeMetricFamily(
+            "hcqa_requests_pending",
+            "/infer requests admitted and not yet answered",
+            value=st.pending,
+        )
+        p = st.pipeline.statistics()
+        yield GaugeMetricFamily(
+            "hcqa_pipeline_in_flight", "microbatches on the pipeline now", value=p.in_flight
+        )
+        yield GaugeMetricFamily("hcqa_pipeline_depth", "microbatches allowed", value=p.depth)
+        if st.batcher is not None:
+            b = st.batcher.statistics()
+            yield GaugeMetricFamily(
+                "hcqa_batcher_queue_depth", "single samples waiting for a batch", value=b.pending
+            )
+            yield GaugeMetricFamily(
+                "hcqa_batcher_in_flight", "batches running now", value=b.in_flight
+            )
+            buckets, total = [], 0
+            edges = sorted({2**k for k in range(b.max_batch.bit_length())} | {b.max_batch})
+            for edge in edges:
+                total = sum(b.batch_sizes[:edge])
+                buckets.append((str(edge), total))
+            buckets.append(("+Inf", b.batches))
+            yield HistogramMetricFamily(
+                "hcqa_batch_size",
+                "samples per batch run by the dynamic batcher",
+                buckets=buckets,
+                sum_value=b.samples,
+            )
+            for name, q, v in (("p50", 0.5, b.queue_wait_p50), ("p99", 0.99, b.queue_wait_p99)):
+                yield GaugeMetricFamily(
+                    f"hcqa_batcher_queue_wait_{name}_seconds",
+                    f"queue wait, quantile {q}, of the last 4096 single samples",
+                    value=0.0 if math.isnan(v) else v,
+                )
+        busy = GaugeMetricFamily(
+            "hcqa_device_busy", "1 while the device has work queued or running", labels=["device"]
+        )
+        queued = GaugeMetricFamily(
+            "hcqa_device_pending_batches",
+            "command batches submitted, not completed",
+            labels=["device"],
+        )
+        healthy = GaugeMetricFamily(
+            "hcqa_device_usable", "0 once the device faulted, hung or closed", labels=["device"]
+        )
+        for d in st.device_rows():
+            busy.add_metric([d["name"]], 1.0 if d["pending"] else 0.0)
+            queued.add_metric([d["name"]], d["pending"])
+            healthy.add_metric([d["name"]], 0.0 if d["faulted"] or d["hung"] or d["closed"] else 1)
+        yield from (busy, queued, healthy)
+
+
+class Measured:
+    """ASGI middleware: counts and times every HTTP request by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, state: State) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        path = scope["path"].rstrip("/") or "/"
+        endpoint = path if path in ENDPOINTS else "other"
+        status = [500]
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if status[0] != 499:
+                self.state.requests.labels(endpoint, str(status[0])).inc()
+                self.state.latency.labels(endpoint).observe(time.perf_counter() - t0)

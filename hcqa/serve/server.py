@@ -1,0 +1,182 @@
+"""Running a served app: hypercorn on trio, draining, and the demo MLP.
+
+Theory of operation
+-------------------
+:func:`serve` opens the batcher (unless ``max_batch=1``), builds the app, and runs
+hypercorn's trio worker in the caller's trio run, so the HTTP server, the batcher's
+collector, the pipeline's actors and the devices' wake-ups share one loop while kernels
+run in engine threads or worker processes. ``task_status.started`` reports the bound
+port. When the shutdown trigger returns, hypercorn stops accepting, gives requests in
+flight ``grace_period`` seconds and closes idle connections; then the batcher drains and
+:func:`serve` returns. hypercorn is imported only here, on first use.
+
+:func:`mlp_pipeline` is the two-layer MLP that ``hcqa serve`` and the examples run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from hcqa.batcher import Batcher, open_batcher
+from hcqa.devices.base import Device
+from hcqa.errors import InvalidCommand, sole_error
+from hcqa.pipeline import Pipeline, Stage
+from hcqa.serve.app import make_app
+
+__all__ = ["mlp_pipeline", "serve"]
+
+
+async def serve(
+    pipeline: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_batch: int | None = None,
+    max_wait: float = 0.002,
+    max_pending: int | None = None,
+    grace_period: float = 10.0,
+    access_log: str | None = None,
+    log_level: str = "WARNING",
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    hypercorn_options: Mapping[str, Any] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled or drained.
+
+    Single samples are batched (:func:`hcqa.open_batcher`, ``max_batch`` -- default the
+    pipeline's batch dimension -- and ``max_wait``); ``max_batch=1`` turns batching off.
+    ``pipeline`` may also be a list of pipelines taking the same rows in batches of different
+    sizes (buckets, see :func:`hcqa.open_batcher`); whole-batch requests use the largest.
+    ``port=0`` picks a free port; ``await nursery.start(partial(serve, pipe, port=0))``
+    returns the bound port. When ``shutdown_trigger()`` returns, the server drains: it stops
+    accepting, gives requests in flight ``grace_period`` seconds, and returns.
+    ``access_log``: ``"-"`` for stdout, a file path, or None. A single startup error
+    (``OSError`` for a port in use) is raised unwrapped. ``hypercorn_options`` sets more
+    attributes of hypercorn's ``Config`` (``certfile``, ``keep_alive_timeout``, ...).
+    """
+    try:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve as hypercorn_serve
+    except ImportError as exc:
+        raise ImportError("hcqa.serve needs hypercorn: pip install 'hcqa[serve]'") from exc
+    if not (isinstance(grace_period, int | float) and 0 <= grace_period < math.inf):
+        raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.loglevel = log_level
+    config.graceful_timeout = float(grace_period)
+    if access_log is not None:
+        config.accesslog = _access_logger(access_log)
+        config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
+    for key, value in (hypercorn_options or {}).items():
+        if not hasattr(config, key):
+            raise TypeError(f"hypercorn's Config has no option {key!r}")
+        setattr(config, key, value)
+    try:
+        largest = _largest(pipeline)
+        async with _maybe_batcher(pipeline, max_batch, max_wait) as batcher:
+            app: Any = make_app(largest, batcher=batcher, max_pending=max_pending)
+            async with trio.open_nursery() as nursery:
+                start = hypercorn_serve
+                binds: list[str] = await nursery.start(
+                    lambda task_status: start(
+                        app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
+                    )
+                )
+                task_status.started(int(binds[0].rsplit(":", 1)[1]))
+    except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
+        raise sole_error(group) from None
+
+
+def _access_logger(target: str) -> logging.Logger:
+    """A logger writing one line per request to stdout (``"-"``) or a file."""
+    logger = logging.getLogger(f"hcqa.serve.access.{target}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        handler: logging.Handler = (
+            logging.StreamHandler(sys.stdout) if target == "-" else logging.FileHandler(target)
+        )
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def _largest(pipeline: Any) -> Any:
+    """The pipeline itself, or the one with the largest batch of a list of them."""
+    if isinstance(pipeline, list | tuple):
+        if not pipeline:
+            raise InvalidCommand("serve needs a pipeline (got an empty list)")
+        return max(pipeline, key=lambda p: p.in_shape[0])
+    return pipeline
+
+
+@asynccontextmanager
+async def _maybe_batcher(
+    pipeline: Any, max_batch: int | None, max_wait: float
+) -> AsyncIterator[Batcher | None]:
+    if max_batch == 1:
+        yield None
+        return
+    async with open_batcher(pipeline, max_batch=max_batch, max_wait=max_wait) as batcher:
+        yield batcher
+
+
+async def mlp_pipeline(
+    d0: Device,
+    d1: Device,
+    *,
+    batch: int = 32,
+    width: int = 256,
+    depth: int = 2,
+    seed: int = 0,
+    sleep: float = 0.0,
+    buckets: Sequence[int] = (),
+) -> Any:
+    """A two-layer MLP with random weights: ``relu(x @ w1)`` on ``d0``, ``@ w2`` on ``d1``.
+
+    Input and output are ``float32[batch, width]``; each layer is ``2 * batch * width**2``
+    flops, so ``width`` sets how long a microbatch keeps each device busy. ``sleep`` adds
+    that many seconds to each layer's kernel without using the host CPU (GIL released), as
+    an accelerator's kernel looks from the host.
+
+    ``buckets``: batch sizes smaller than ``batch`` for which to build pipelines too, sharing
+    the weights; then the result is the list of pipelines, smallest first (a target for
+    :func:`serve` and :func:`hcqa.open_batcher`: a lone sample runs in the batch-1 pipeline
+    instead of being padded to ``batch`` rows).
+    """
+    rng = np.random.default_rng(seed)
+    scale = np.float32(1 / math.sqrt(width))
+    w1 = d0.alloc(shape=(width, width), dtype="float32")
+    w2 = d1.alloc(shape=(width, width), dtype="float32")
+    for buf in (w1, w2):
+        await buf.copyin(rng.standard_normal((width, width), dtype=np.float32) * scale)
+
+    def dense_relu(out: npt.NDArray[Any], x: npt.NDArray[Any], w: npt.NDArray[Any]) -> None:
+        if sleep:
+            time.sleep(sleep)
+        np.matmul(x, w, out=out)
+        np.maximum(out, 0, out=out)
+
+    def dense(out: npt.NDArray[Any], x: npt.NDArray[Any], w: npt.NDArray[Any]) -> None:
+        if sleep:
+            time.sleep(sleep)
+        np.matmul(x, w, out=out)
+
+    stages = [
+        Stage(device=d0, program=d0.program("dense_relu", dense_relu), params=(w1,)),
+        Stage(device=d1, program=d1.program("dense", dense), params=(w2,)),
+    ]
+    sizes = sorted({b for b in buckets if b < batch} | {batch})
+    pipes = [Pipeline(stages, in_shape=(b, width), depth=depth) for b in sizes]
+    return pipes if buckets else pipes[0]
