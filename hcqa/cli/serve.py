@@ -1,0 +1,187 @@
+"""``hcqa serve``: a demo MLP over HTTP (see docs/serving.md).
+
+Arguments are parsed into checked values (a port, seconds, integers with a minimum) so a
+bad one is a one-line usage error before any device opens. The command opens ``cpu:0``
+and ``cpu:1``, builds the MLP and runs :func:`hcqa.serve.serve` with SIGINT and SIGTERM
+wired to a drain; a second signal stops at once (exit status 130)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from hcqa.cli._base import PROG, CliError, _out, run_trio
+
+__all__ = ["configure_serve", "run_serve"]
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535 (got {value})")
+    return value
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer (got {text!r})") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds (got {text!r})") from None
+    if not 0 <= value < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value
+
+
+def configure_serve(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    add("--port", type=_port, default=8000, help="port, 0 for any free one (default: %(default)s)")
+    add(
+        "--max-batch",
+        type=_int_at_least(1),
+        default=32,
+        help="most single samples per batch, also the MLP's batch dimension; 1 turns dynamic "
+        "batching off (default: %(default)s)",
+    )
+    add(
+        "--max-wait",
+        type=_seconds,
+        default=0.002,
+        help="seconds a sample waits for its batch to fill while the devices are busy "
+        "(default: %(default)s)",
+    )
+    add(
+        "--max-pending",
+        type=_int_at_least(1),
+        default=256,
+        help="/infer requests admitted at once; more get 503 (default: %(default)s)",
+    )
+    add(
+        "--grace-period",
+        type=_seconds,
+        default=10.0,
+        help="on SIGTERM or SIGINT, seconds to finish requests in flight (default: %(default)s)",
+    )
+    add(
+        "--access-log",
+        default="-",
+        metavar="FILE",
+        help="one line per request to FILE, '-' for stdout, 'none' for no log "
+        "(default: %(default)s)",
+    )
+    add("--width", type=_int_at_least(1), default=256, help="MLP width (default: %(default)s)")
+    add(
+        "--depth",
+        type=_int_at_least(1),
+        default=2,
+        help="batches on the devices at once (default: %(default)s)",
+    )
+    add(
+        "--sleep-ms",
+        type=_seconds,
+        default=0.0,
+        help="milliseconds each layer's kernel also sleeps, leaving the host idle as an "
+        "accelerator does (default: %(default)s)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve a demo 2-stage MLP (cpu:0 -> cpu:1, random weights) over HTTP; drain on a signal."""
+    import importlib.util
+    import signal
+
+    for module in ("hypercorn", "starlette", "prometheus_client"):
+        if importlib.util.find_spec(module) is None:
+            raise CliError(f"hcqa serve needs {module}: pip install 'hcqa[serve]'")
+    import trio
+
+    import hcqa
+    from hcqa.errors import sole_error
+    from hcqa.serve import mlp_pipeline, serve
+
+    forced = False
+
+    async def main() -> None:
+        nonlocal forced
+        stop = trio.Event()
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+                pipes = await mlp_pipeline(
+                    d0,
+                    d1,
+                    batch=args.max_batch,
+                    width=args.width,
+                    depth=args.depth,
+                    sleep=args.sleep_ms / 1e3,
+                    buckets=(1,),  # a lone sample runs unpadded in a batch-1 pipeline
+                )
+                pipe = pipes[-1]
+                async with trio.open_nursery() as nursery:
+
+                    async def on_signals() -> None:
+                        nonlocal forced
+                        async for signum in signals:
+                            name = signal.Signals(signum).name
+                            if stop.is_set():
+                                _out(f"{PROG}: {name} again: stopping now", sys.stderr)
+                                forced = True
+                                nursery.cancel_scope.cancel()
+                                return
+                            _out(
+                                f"{PROG}: {name}: draining, up to {args.grace_period} s "
+                                "for requests in flight",
+                                sys.stderr,
+                            )
+                            stop.set()
+
+                    async def server(task_status: trio.TaskStatus[int]) -> None:
+                        await serve(
+                            pipes,
+                            host=args.host,
+                            port=args.port,
+                            max_batch=args.max_batch,
+                            max_wait=args.max_wait,
+                            max_pending=args.max_pending,
+                            grace_period=args.grace_period,
+                            access_log=None if args.access_log == "none" else args.access_log,
+                            shutdown_trigger=stop.wait,
+                            task_status=task_status,
+                        )
+                        nursery.cancel_scope.cancel()  # drained: stop watching for signals
+
+                    nursery.start_soon(on_signals)
+                    port = await nursery.start(server)
+                    batching = (
+                        f"batches of up to {args.max_batch}, max wait {args.max_wait} s"
+                        if args.max_batch > 1
+                        else "no dynamic batching"
+                    )
+                    _out(f"{PROG}: serving {pipe} on http://{args.host}:{port} ({batching})")
+                    _out(
+                        f"  POST /infer  one sample float32[{args.width}] or a batch "
+                        f'float32[n, {args.width}], as JSON {{"inputs": ...}} or raw '
+                        "little-endian bytes; GET /health, /stats, /metrics"
+                    )
+                    sys.stdout.flush()
+        if not forced:
+            _out(f"{PROG}: drained, bye", sys.stderr)
+
+    try:
+        run_trio(main)
+    except BaseExceptionGroup as group:  # the nursery wraps a startup error
+        raise sole_error(group) from None
+    return 130 if forced else 0
