@@ -56,7 +56,7 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import capturing, current_capture
-from hcqa._graphbuild import FinalState, Node, Part, build
+from hcqa._graphbuild import Node, Part, Plan, build
 from hcqa._patch import check_rebind, rebind_command, resolve_all
 from hcqa.actors import Batch
 from hcqa.devices.buffer import hazard_waits
@@ -91,26 +91,13 @@ class Graph:
 
     def __init__(self) -> None:
         self._nodes: list[Node] = []
-        self._parts: list[Part] = []
+        self._plan: Plan = build([])  # what a replay sends: made once the capture ends
         self._built = False
         self._replays = 0
-        self._dropped = 0
-        self._native = 0
         self._variables: set[Variable] = set()
         self._names: set[str] = set()  # the variables' names, once the capture ends
         self._capture_signal = _placeholder()
         self._signals: dict[Signal, None] = {}  # user signals the commands use (see _submit)
-        self._sink: QueueActor | None = None
-        self._owners: list[Buffer] = []  # the allocations the graph uses (checked per replay)
-        self._symbols: tuple[Any, ...] = ()  # the distinct expressions of the patch slots
-        self._captured: dict[Buffer, int] = {}  # every buffer used -> its allocation id
-        self._shared: set[Buffer] = set()  # those whose allocation another buffer shares
-        self._allocations: frozenset[int] = frozenset()
-        # where each buffer sits in _owners / _final (to substitute rebound ones)
-        self._owner_at: dict[Buffer, int] = {}
-        self._final_at: dict[Buffer, int] = {}
-        # per allocation touched: (a buffer, last writer queue or None, queues reading since)
-        self._final: FinalState = []
 
     # -- capture -------------------------------------------------------------------------
 
@@ -154,19 +141,7 @@ class Graph:
     def _build(self) -> None:
         self._built = True
         self._names = {v.name for v in self._variables}
-        plan = build(self._nodes)
-        self._parts = plan.parts
-        self._dropped = plan.dropped
-        self._native = plan.native
-        self._sink = plan.sink
-        self._owners = plan.owners
-        self._final = plan.final
-        self._symbols = plan.symbols
-        self._captured = plan.captured
-        self._shared = plan.shared
-        self._allocations = plan.allocations
-        self._owner_at = plan.owner_at
-        self._final_at = plan.final_at
+        self._plan = build(self._nodes)
 
     # -- replay --------------------------------------------------------------------------
 
@@ -183,10 +158,10 @@ class Graph:
         self, var_vals: VarVals, rebind: dict[Buffer, Buffer] | None
     ) -> list[tuple[Part, list[Any], int]]:
         """Resolve every part's patches: (part, batch, base). Raises before anything is sent."""
-        values = resolve_all(self._symbols, var_vals) if self._symbols else {}
-        bases = {part.actor: part.actor.value for part in self._parts}
+        values = resolve_all(self._plan.symbols, var_vals) if self._plan.symbols else {}
+        bases = {part.actor: part.actor.value for part in self._plan.parts}
         out = []
-        for part in self._parts:
+        for part in self._plan.parts:
             base = bases[part.actor]
             batch = list(part.template)
             for index, kind, data in part.patches:
@@ -222,20 +197,22 @@ class Graph:
             raise InvalidCommand("a graph can be replayed once its capture block has ended")
         if current_capture() is not None:
             raise InvalidCommand("replaying a graph inside a capture is not supported")
-        if not self._parts:
+        if not self._plan.parts:
             raise InvalidCommand("this graph captured no work")
         bound = self._bind(var_vals)
         rebind = None
-        owners, final_state = self._owners, self._final
+        owners, final_state = self._plan.owners, self._plan.final
         if buffers is not None:
-            rebind = check_rebind(buffers, self._captured, self._shared, self._allocations)
+            rebind = check_rebind(
+                buffers, self._plan.captured, self._plan.shared, self._plan.allocations
+            )
             if rebind:  # the rebound buffers' entries, substituted
                 owners, final_state = list(owners), list(final_state)
                 for old, new in rebind.items():
-                    i = self._owner_at.get(old)
+                    i = self._plan.owner_at.get(old)
                     if i is not None:
                         owners[i] = new  # (checked already)
-                    i = self._final_at.get(old)
+                    i = self._plan.final_at.get(old)
                     if i is not None:
                         final_state[i] = (new, *final_state[i][1:])
             else:
@@ -271,7 +248,7 @@ class Graph:
             q = part.actor
             device = q.device
             tail: list[Any] = []
-            if q is self._sink:
+            if q is self._plan.sink:
                 for other, final in finals.items():
                     if other is not q:
                         tail.append(cmd.Wait(signal=other.signal, value=final))
@@ -282,7 +259,7 @@ class Graph:
             fences.append(Fence(q.signal, finals[q], hang_limit=limit, context=q.name))
             for k in part.transfers:
                 fences.append(Fence(q.signal, base + k, hang_limit=limit, context=q.name))
-            if q is self._sink:
+            if q is self._plan.sink:
                 sink_fence = device._timeline.fence(seq)
         for b, writer, readers in final_state:
             hz = b._hazards
@@ -309,7 +286,7 @@ class Graph:
                 _, fences = self._submit(var_vals, buffers)
                 break
             except QueueFull:
-                full = next((p.actor for p in self._parts if p.actor.full), None)
+                full = next((p.actor for p in self._plan.parts if p.actor.full), None)
                 if full is not None:
                     await full.wait_for_space()
         errors: list[BaseException] = []
@@ -326,7 +303,7 @@ class Graph:
             for f in fences:
                 nursery.start_soon(watch, f, nursery.cancel_scope)
         if errors:  # independent faults elsewhere in this replay belong in the report too
-            for part in self._parts:
+            for part in self._plan.parts:
                 other = part.actor.device._error
                 if isinstance(other, HcqaError) and all(other is not e for e in errors):
                     other.observed = True
@@ -342,30 +319,30 @@ class Graph:
         """A frozen snapshot: nodes, queues, devices, waits kept/dropped, replays."""
         return GraphStatistics(
             nodes=len(self._nodes),
-            queues=len(self._parts),
-            devices=len({id(p.actor.device) for p in self._parts}),
+            queues=len(self._plan.parts),
+            devices=len({id(p.actor.device) for p in self._plan.parts}),
             waits=sum(len(n.waits) for n in self._nodes),
-            waits_dropped=self._dropped,
-            native_runs=self._native,
+            waits_dropped=self._plan.dropped,
+            native_runs=self._plan.native,
             replays=self._replays,
             variables=tuple(sorted(v.name for v in self._variables)),
         )
 
     def dump(self) -> str:
         """A readable listing of the captured DAG: nodes per queue and their waits."""
-        lines = [f"graph: {len(self._nodes)} nodes on {len(self._parts)} queues"]
+        lines = [f"graph: {len(self._nodes)} nodes on {len(self._plan.parts)} queues"]
         for n in self._nodes:
             waits = ", ".join(f"{p.name}#{pos}" for p, pos in n.waits) or "-"
             extra = " signals" if n.signals else ""
             sym = " (variables)" if n.symbolic else ""
             lines.append(f"  [{n.index}] {n.actor.name}: {n.label}{sym} waits {waits}{extra}")
-        for part in self._parts:
+        for part in self._plan.parts:
             kinds = [type(c).__name__ if c is not None else "patch" for c in part.template]
             lines.append(f"  {part.actor.name} template: {' '.join(kinds)}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<Graph {len(self._nodes)} nodes, {len(self._parts)} queues>"
+        return f"<Graph {len(self._nodes)} nodes, {len(self._plan.parts)} queues>"
 
 
 def _swap(

@@ -167,7 +167,7 @@ class Pipeline:
                 steps[-1]()
                 inp = out
         slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)
-        for a in [first.device.copy, *(p.actor for p in graph._parts), inp.device.copy]:
+        for a in [first.device.copy, *(p.actor for p in graph._plan.parts), inp.device.copy]:
             slot.need[a] = slot.need.get(a, 0) + 1
         return slot
 
