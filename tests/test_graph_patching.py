@@ -309,7 +309,7 @@ async def test_static_commands_stay_static_and_fused_next_to_a_symbolic_one() ->
                     q.exec(addk, (a, a), vals=(1, 4))
                 q.signal(s, v).submit()
             assert g.statistics().native_runs == 1
-            template = g._parts[0].template
+            template = g._plan.parts[0].template
             assert sum(c is None for c in template) == 2  # the symbolic signal + the final one
             await g(v=7)
             assert s.value == 7
