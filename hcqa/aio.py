@@ -27,7 +27,8 @@ Three ways an asyncio caller's await is served:
 * block-shaped calls (``open_devices``, ``open_process_pipeline``) run as a trio
   task that enters the context manager, hands the value over, and leaves it with
   the body's exception (so the block drains or cancels exactly as under trio) --
-  :func:`hosted`;
+  :func:`hosted`; an opener decorated with :func:`rehosts` does that by itself when
+  an asyncio task enters it;
 * other awaits (graph replay, ``Pipeline``, a process pipeline call,
   ``Queue.submit_async``) run as a trio task in the host's nursery -- :func:`call`.
   Its result or exception (the same instance, never wrapped) goes back through an
@@ -40,10 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import outcome
 import sniffio
@@ -51,9 +53,10 @@ import trio
 
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand
 
-__all__ = ["asyncio_caller", "call", "checkpoint", "hosted", "open_asyncio_host"]
+__all__ = ["asyncio_caller", "call", "checkpoint", "hosted", "open_asyncio_host", "rehosts"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def asyncio_caller() -> bool:
@@ -350,3 +353,39 @@ async def hosted(
             raise asyncio.CancelledError
     finally:
         await _release(host)
+
+
+class _Rehosting(AbstractAsyncContextManager[T], Generic[T]):
+    """An opener's block that decides, as it is entered, who holds it: the caller (trio)
+    or a trio task of the loop's host (asyncio), see :func:`rehosts`."""
+
+    def __init__(self, make: Callable[[], AbstractAsyncContextManager[T]], label: str) -> None:
+        self._make = make
+        self._label = label
+        self._inner: AbstractAsyncContextManager[T] | None = None
+
+    async def __aenter__(self) -> T:
+        if self._inner is not None:
+            raise RuntimeError(f"an {self._label}() block can be entered only once")
+        self._inner = hosted(self._make, self._label) if asyncio_caller() else self._make()
+        return await self._inner.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._inner is not None
+        return await self._inner.__aexit__(*exc_info)
+
+
+def rehosts(
+    opener: Callable[P, AbstractAsyncContextManager[T]],
+) -> Callable[P, AbstractAsyncContextManager[T]]:
+    """Decorate an ``async with`` opener written for trio so that it works from asyncio too.
+
+    Entered from an asyncio task, the block is held by a trio task of the loop's host
+    with the same arguments (:func:`hosted`); entered from trio, it is the opener's own
+    block. The opener itself is written for trio only."""
+
+    @functools.wraps(opener)
+    def open_block(*args: P.args, **kwargs: P.kwargs) -> AbstractAsyncContextManager[T]:
+        return _Rehosting(functools.partial(opener, *args, **kwargs), opener.__name__)
+
+    return open_block

@@ -42,7 +42,6 @@ finished batch) or until the oldest request's ``max_wait`` deadline.
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -282,6 +281,7 @@ def _is_pipeline(target: Any) -> bool:
     return all(hasattr(target, a) for a in ("in_shape", "dtype", "depth")) and callable(target)
 
 
+@aio.rehosts
 @asynccontextmanager
 async def open_batcher(
     target: Any,
@@ -312,20 +312,6 @@ async def open_batcher(
     Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
     trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.
     """
-    if aio.asyncio_caller():
-        make = functools.partial(
-            open_batcher,
-            target,
-            max_batch=max_batch,
-            max_wait=max_wait,
-            sample_shape=sample_shape,
-            dtype=dtype,
-            depth=depth,
-            max_pending=max_pending,
-        )
-        async with aio.hosted(make, "open_batcher") as hosted:
-            yield hosted
-        return
     buckets: list[tuple[int, Target]] = []  # (rows, pipeline), smallest first
     if isinstance(target, list | tuple):  # pipelines of several batch sizes: buckets
         pipes = list(target)

@@ -642,3 +642,31 @@ def test_one_host_per_loop_in_several_threads() -> None:
     for r in results:
         for y in r:
             np.testing.assert_array_equal(y, (a + 1) * 2)
+
+
+def test_an_opener_decides_who_holds_its_block_when_it_is_entered() -> None:
+    """``aio.rehosts``: the block made outside any loop, entered from asyncio, is hosted;
+    the same opener entered from trio runs as plain trio; a block is entered once."""
+    made_outside = hcqa.open_devices("cpu:0")  # no loop, no library: nothing runs yet
+    a = np.arange(4, dtype=np.float32)
+
+    async def under_asyncio() -> None:
+        async with made_outside as (d,):
+            assert len(aio._hosts) == 1  # held by the loop's trio host
+            buf = d.alloc(shape=4, dtype="float32")
+            out = np.zeros_like(a)
+            await buf.copyin(a)
+            await buf.copyout(out)
+            np.testing.assert_array_equal(out, a)
+        with pytest.raises(RuntimeError, match=r"open_devices\(\) block can be entered only once"):
+            async with made_outside:
+                pass
+
+    run(under_asyncio)
+
+    async def under_trio() -> None:
+        async with hcqa.open_devices("cpu:0") as (d,):
+            assert trio.lowlevel.in_trio_task() and not aio._hosts
+            assert d.name == "cpu:0"
+
+    trio.run(under_trio)

@@ -109,6 +109,7 @@ def _options(
     }
 
 
+@aio.rehosts
 @asynccontextmanager
 async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Device, ...]]:
     """Open devices by spec (``"cpu:0"``, ``"cuda:1"``); yields them as a tuple.
@@ -117,10 +118,6 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes).
     Under asyncio the block is held by a trio task of the loop's host (see ``hcqa.aio``).
     """
-    if aio.asyncio_caller():
-        async with aio.hosted(lambda: open_devices(*specs, **options), "open_devices") as hosted:
-            yield hosted
-        return
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise InvalidCommand(
