@@ -42,3 +42,16 @@ def slow(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
 def stuck(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
     """A stage that never finishes (until its process is killed)."""
     time.sleep(3600)
+
+
+def held(fifo: str) -> Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]:
+    """A stage factory: ``out = 2 * inp + 1`` once it has read one byte from the FIFO
+    ``fifo`` (the test lets items through one byte each; the read blocks, nothing polls)."""
+    fd = os.open(fifo, os.O_RDONLY)
+
+    def stage(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
+        os.read(fd, 1)
+        np.multiply(inp, 2, out=out)
+        np.add(out, 1, out=out)
+
+    return stage

@@ -160,6 +160,48 @@ async def test_large_items_concurrent_callers(cluster: Cluster) -> None:
         assert pipe.statistics().batches < 8 * 2  # items ready together share Ray calls
 
 
+async def test_big_batches_wait_for_their_ray_leg_and_merge(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Big items (80 KB each: they cross Ray as arrays) arriving while a big batch holds
+    the Ray leg queue behind it and go on as one merged batch; each caller gets its own
+    exact result, also through the local segment after the leg."""
+    head, b = node_of(cluster, "head"), node_of(cluster, "b")
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    gate = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # the stage's open finds a writer
+    n = 20000
+    try:
+        async with open_ray_pipeline(
+            [
+                ProcessStage(fn="_ray_stages:held", args={"fifo": fifo}),
+                "hcqa.processes.stages:add_one",
+            ],
+            placement=[b.node_id, head.node_id],
+            in_shape=(n,),
+            depth=8,
+            path=[TESTS],
+        ) as pipe:
+            results: dict[int, bool] = {}
+
+            async def caller(j: int) -> None:
+                x = np.arange(n, dtype=np.float32) * (j + 1) + 1000 * j
+                y = await pipe(x)
+                results[j] = bool(np.array_equal(y, x * 2 + 2))
+
+            async with trio.open_nursery() as nursery:
+                for j in range(5):  # one at a time: five batches of one item
+                    nursery.start_soon(caller, j)
+                    await trio.testing.wait_all_tasks_blocked()
+                assert pipe.statistics().in_flight == 5
+                os.write(gate, b"x" * 5)  # the first item through, then the other four
+            stats = pipe.statistics()
+        assert results == dict.fromkeys(range(5), True)
+        assert (stats.batches, stats.coalesced) == (5, 3)  # four queued, merged into one
+    finally:
+        os.close(gate)
+
+
 async def test_stage_raises_is_sticky_fault_naming_node_and_stage(cluster: Cluster) -> None:
     b = node_of(cluster, "b")
     stages = ["hcqa.processes.stages:add_one", "_ray_stages:fail_on_negative"]

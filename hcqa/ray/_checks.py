@@ -57,6 +57,8 @@ class Segment:
     placement: Placement
     in_shape: tuple[int, ...]
     dtype: np.dtype[Any]
+    out_shape: tuple[int, ...]  # what its last stage gives
+    out_dtype: np.dtype[Any]
 
     @property
     def last(self) -> int:
@@ -182,6 +184,8 @@ def segments(
                     placement=placements[start],
                     in_shape=seg_shape,
                     dtype=seg_dt,
+                    out_shape=shape,
+                    out_dtype=dt,
                 )
             )
             start, seg_shape, seg_dt = i, shape, dt
@@ -195,6 +199,8 @@ def segments(
             placement=placements[start],
             in_shape=seg_shape,
             dtype=seg_dt,
+            out_shape=shape,
+            out_dtype=dt,
         )
     )
     return out

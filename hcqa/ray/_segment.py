@@ -14,6 +14,14 @@ thread. Measured on the 2-core host, the same segment as a Ray *async* actor (hc
 a trio guest on the actor's asyncio loop) cost ~0.5 ms more per call (p50 3.05 vs 2.57
 ms) and gave 856 vs 1029 calls/s with 10 in flight: Ray's asyncio path is the slower.
 
+How a batch crosses Ray (:func:`pack`, :func:`unpack`): a batch of at most ``INLINE``
+bytes travels as *one bytes object* -- the items back to back -- which the receiver (the
+next actor, or the driver) cuts again by the shape and dtype it expects. Ray serializes a
+bytes object far cheaper than numpy arrays: an echo of 16 float32 to an actor on another
+node took 924 µs p50 as bytes and 1,285 µs as an ndarray (same run, 300 samples; the
+bare no-argument call 862 µs). A larger batch travels as the list of its arrays, which
+Ray moves through its object store without a pickle copy.
+
 Errors leave the actor named: :func:`name_fault` rewrites the process pipeline's fault
 (which knows its worker's index inside the segment) into one that names the stage by
 its index in the whole pipeline, its function, and the Ray node (id and address) --
@@ -38,7 +46,9 @@ import trio
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, SignalTimeout
 from hcqa.processes import ProcessPipeline, ProcessStage, open_process_pipeline
 
-__all__ = ["SegmentActor", "name_fault", "run_items"]
+__all__ = ["INLINE", "SegmentActor", "name_fault", "pack", "run_items", "unpack"]
+
+INLINE = 64 * 1024  # bytes: a batch up to this size crosses Ray as one bytes object
 
 _WORKER = re.compile(r"^worker(\d+)$")
 
@@ -67,6 +77,52 @@ def name_fault(
     else:
         new = DeviceFault(message, device=node)
     return new
+
+
+def pack(arrays: Sequence[npt.NDArray[Any]]) -> bytes | list[npt.NDArray[Any]]:
+    """A batch as it crosses Ray: small, one bytes object; large, the arrays."""
+    if sum(a.nbytes for a in arrays) > INLINE:
+        return list(arrays)
+    if len(arrays) == 1:
+        return arrays[0].tobytes()
+    return b"".join(a.tobytes() for a in arrays)
+
+
+def unpack(
+    value: object,
+    n: int | None,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    *,
+    writable: bool = False,
+) -> list[npt.NDArray[Any]]:
+    """The arrays of a batch :func:`pack` made, each of ``shape`` and ``dtype``; ``n``
+    items (``None``: as many as it holds). ``writable``: items up to ``INLINE`` bytes are
+    writable copies (else they may be read-only views of Ray's buffers). Anything else
+    is a DeviceFault."""
+    if isinstance(value, bytes):
+        size = int(np.prod(shape)) * dtype.itemsize
+        count = len(value) // size
+        if len(value) % size == 0 and (n is None or count == n):
+            rows = np.frombuffer(value, dtype=dtype).reshape(count, *shape)
+            return [row.copy() for row in rows] if writable else list(rows)
+        what = f"{len(value)} bytes"
+    elif isinstance(value, list) and (n is None or len(value) == n):
+        if all(isinstance(v, np.ndarray) and v.shape == shape and v.dtype == dtype for v in value):
+            if writable:  # results up to INLINE bytes writable, as a process pipeline's are
+                return [v if v.flags.writeable or v.nbytes > INLINE else v.copy() for v in value]
+            return value
+        what = "a list of " + ", ".join(
+            f"{v.shape} {v.dtype}" if isinstance(v, np.ndarray) else type(v).__name__
+            for v in value[:3]
+        )
+    else:
+        what = type(value).__name__ + (f" of {len(value)}" if isinstance(value, list) else "")
+    many = "items" if n is None else f"{n} items"
+    raise DeviceFault(
+        f"a segment was handed {what} for a batch of {many} (expected {shape} {dtype} each, "
+        "back to back as bytes, or a list of such arrays)"
+    )
 
 
 async def run_items(
@@ -104,6 +160,8 @@ class SegmentActor:
         self.first = first
         self.stages = tuple(stages)
         self.options = options
+        self.in_shape = tuple(options["in_shape"])
+        self.dtype = np.dtype(options["dtype"])
         self.node = ray.get_runtime_context().get_node_id()
         node_ip: Callable[[], str] = ray.util.get_node_ip_address
         self.ip = node_ip()
@@ -157,14 +215,15 @@ class SegmentActor:
             "workers": self.pipe.statistics().workers,
         }
 
-    def run(self, items: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
-        """The items through the segment's stages (on a thread of Ray's: it blocks until
-        the segment's trio loop has them out)."""
+    def run(self, batch: bytes | list[npt.NDArray[Any]]) -> bytes | list[npt.NDArray[Any]]:
+        """A batch (:func:`pack`'s) through the segment's stages, packed again (on a
+        thread of Ray's: it blocks until the segment's trio loop has them out)."""
         pipe, token = self.pipe, self.token
         if pipe is None or token is None:
             raise self._named(DeviceClosed("the segment's process pipeline is closed"))
         try:
-            return trio.from_thread.run(run_items, pipe, items, trio_token=token)
+            items = unpack(batch, None, self.in_shape, self.dtype)
+            return pack(trio.from_thread.run(run_items, pipe, items, trio_token=token))
         except HcqaError as exc:
             raise self._named(exc) from None
         except trio.RunFinishedError:

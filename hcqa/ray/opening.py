@@ -43,9 +43,10 @@ from hcqa import aio
 from hcqa.errors import HcqaError, InvalidCommand, SignalTimeout
 from hcqa.processes import ProcessStage, open_process_pipeline
 from hcqa.processes._checks import check_arguments
+from hcqa.ray._batches import Runner, kill_actors, resolve
 from hcqa.ray._checks import Placement, Segment, check_cluster, check_placement, segments
 from hcqa.ray._segment import SegmentActor
-from hcqa.ray.pipeline import RayPipeline, Runner, _kill_actors, resolve
+from hcqa.ray.pipeline import RayPipeline
 
 __all__ = ["open_ray_pipeline"]
 
@@ -265,7 +266,7 @@ async def _stop_actors(runners: Sequence[Runner], *, graceful: bool, grace: floa
             for k, v in r.segment.placement.resources:
                 held[k] = held.get(k, 0.0) + v
     before = await trio.to_thread.run_sync(ray.available_resources) if held else {}
-    await trio.to_thread.run_sync(_kill_actors, actors)
+    await trio.to_thread.run_sync(kill_actors, actors)
     with trio.move_on_after(max(grace, 10.0)):
         for a in actors:
             # A call sent after the kill may still be served if it overtook the kill;

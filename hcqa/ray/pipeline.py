@@ -6,24 +6,16 @@ ready items are cut into batches and each batch walks the segments (a Ray call p
 remote segment, chained by ObjectRef; a local process pipeline in the driver) -- and
 turns every way a batch can end into each of its callers' result or one sticky fault.
 
-Waiting for Ray from trio (:func:`resolve`): ``ref.future()`` gives a
-``concurrent.futures.Future`` that Ray completes on one of its own threads (it fetches
-and deserializes the value there). Its done-callback hands one ``Event.set`` to the trio
-loop with ``TrioToken.run_sync_soon`` -- which works the same in a plain trio run and in
-hcqa's trio guest run on an asyncio loop -- so a waiting task sleeps until Ray says the
-object is there: no polling, no thread of ours. A cancelled waiter just stops waiting;
-the late callback sets an event nobody waits on (or, after the run ended, is dropped).
+The batches, legs and the wait for Ray (``resolve``) are in ``_batches``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import ray
@@ -32,91 +24,21 @@ import trio
 from hcqa import aio
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, SignalTimeout
 from hcqa.pipeline import check_input
-from hcqa.processes import ProcessPipeline
-from hcqa.ray._checks import Segment
-from hcqa.ray._segment import name_fault, run_items
+from hcqa.ray._batches import (
+    Batch,
+    Item,
+    Leg,
+    RayPipelineStatistics,
+    Runner,
+    kill_actors,
+    ready_refs,
+    resolve,
+)
+from hcqa.ray._segment import pack, run_items, unpack
 
-__all__ = ["BACKSTOP", "INLINE", "RayPipeline", "RayPipelineStatistics", "Runner", "resolve"]
+__all__ = ["BACKSTOP", "RayPipeline", "RayPipelineStatistics"]
 
-INLINE = 64 * 1024  # bytes: larger batches are handed to Ray off the loop; smaller
-# results are copied (writable) instead of returned as read-only views of Ray's buffers
 BACKSTOP = 1.5  # the driver's watchdog waits this many hang limits (see _watchdog)
-
-
-async def resolve(ref: Any) -> Any:
-    """The value of the ObjectRef ``ref`` (Ray's error for it is raised as it is)."""
-    token = trio.lowlevel.current_trio_token()
-    event = trio.Event()
-    future: concurrent.futures.Future[Any] = ref.future()
-
-    def done(_: concurrent.futures.Future[Any]) -> None:
-        try:
-            token.run_sync_soon(event.set)
-        except trio.RunFinishedError:
-            pass
-
-    future.add_done_callback(done)
-    await event.wait()
-    return future.result()
-
-
-@attrs.frozen(kw_only=True)
-class RayPipelineStatistics:
-    """What :meth:`RayPipeline.statistics` reports."""
-
-    stages: int
-    depth: int
-    segments: tuple[str, ...]  # the node id each segment runs on
-    local: tuple[bool, ...]  # which segments run in the driver
-    hosts: tuple[int, ...]  # the pid of the process hosting each segment (actor or driver)
-    workers: tuple[tuple[int, ...], ...]  # each segment's worker processes (pids, per stage)
-    in_flight: int  # items taken and not yet out of the last segment
-    batches: int  # batches sent so far (one Ray call per remote segment each)
-    completed: int  # items that left the last segment
-    faulted: bool
-
-
-@attrs.define(eq=False)
-class Runner:
-    """A segment at run time: a Ray actor, or a process pipeline in the driver."""
-
-    segment: Segment
-    node: str = ""
-    ip: str = ""
-    actor: Any = None  # a Ray ActorHandle of SegmentActor
-    pipe: ProcessPipeline | None = None
-    pid: int = 0
-    workers: tuple[int, ...] = ()
-
-    def describe(self) -> str:
-        where = f"Ray node {self.node} ({self.ip})" if self.ip else f"Ray node {self.node}"
-        if self.pipe is not None:
-            where += ", in the driver"
-        return f"{self.segment.describe()} on {where}"
-
-    def named(self, exc: HcqaError) -> HcqaError:
-        return name_fault(exc, self.segment.first, self.segment.stages, self.node, self.ip)
-
-
-@attrs.define(eq=False)
-class _Item:
-    x: npt.NDArray[Any]
-    event: trio.Event = attrs.Factory(trio.Event)
-    value: npt.NDArray[Any] | None = None
-    error: BaseException | None = None
-
-    def finish(self, value: npt.NDArray[Any] | None, error: BaseException | None) -> None:
-        if not self.event.is_set():
-            self.value, self.error = value, error
-            self.event.set()
-
-
-@attrs.define(eq=False)
-class _Batch:
-    items: list[_Item]
-    at: Runner | None = None  # the local segment it is in, if any
-    hops: list[tuple[Runner, Any]] = attrs.Factory(list)  # remote calls: (runner, ObjectRef)
-    ready: int = 0  # hops the watchdog has seen finished (a prefix)
 
 
 class RayPipeline:
@@ -142,11 +64,17 @@ class RayPipeline:
         self.fault: HcqaError | None = None
         self.completed = 0
         self.batches = 0
+        self.coalesced = 0
+        self._legs = {
+            i: Leg(i)
+            for i, r in enumerate(self.runners)
+            if r.pipe is None and (i == 0 or self.runners[i - 1].pipe is not None)
+        }
         self._taken = 0
         self._slot_waiters: deque[trio.Event] = deque()
-        self._pending: list[_Item] = []
+        self._pending: list[Item] = []
         self._flush_scheduled = False
-        self._in_flight: list[_Batch] = []  # oldest first
+        self._in_flight: list[Batch] = []  # oldest first
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._draining = False  # the block is ending: no more places are handed out
@@ -165,6 +93,7 @@ class RayPipeline:
             workers=tuple(r.workers for r in self.runners),
             in_flight=self._taken,
             batches=self.batches,
+            coalesced=self.coalesced,
             completed=self.completed,
             faulted=self.fault is not None,
         )
@@ -182,7 +111,7 @@ class RayPipeline:
             return await aio.call(self.__call__, x)
         arr = check_input(x, self.in_shape, self.dtype)
         await self._take()
-        item = _Item(arr)
+        item = Item(arr)
         self._pending.append(item)
         if not self._flush_scheduled:
             assert self._nursery is not None
@@ -236,7 +165,7 @@ class RayPipeline:
         segment per batch."""
         self._flush_scheduled = False
         items, self._pending = self._pending, []
-        batches = [_Batch(items[i : i + self.depth]) for i in range(0, len(items), self.depth)]
+        batches = [Batch(items[i : i + self.depth]) for i in range(0, len(items), self.depth)]
         if not self._in_flight:
             self._progress = trio.current_time()
             if self._idle is not None:
@@ -249,16 +178,31 @@ class RayPipeline:
         if batches:
             await self._run(batches[0])
 
-    async def _run(self, batch: _Batch) -> None:
-        self.batches += 1
-        value: Any = [it.x for it in batch.items]
+    async def _run(
+        self,
+        batch: Batch,
+        start: int = 0,
+        value: Any = None,
+        held: Leg | None = None,
+    ) -> None:
+        """``batch`` through the segments from ``runners[start]`` (a merged batch resumes
+        at its leg, ``held`` for it, with its items' ``value``)."""
+        if held is None:
+            self.batches += 1
+            value = [it.x for it in batch.items]
+        n = len(batch.items)
+        leg: Leg | None = None
         outcome: BaseException | list[npt.NDArray[Any]] | None = None
         try:
-            for r in self.runners:
+            for i in range(start, len(self.runners)):
+                r = self.runners[i]
                 if r.pipe is not None:
                     if isinstance(value, ray.ObjectRef):
-                        value = await resolve(value)
+                        seg = r.segment
+                        value = unpack(await resolve(value), n, seg.in_shape, seg.dtype)
                         self._moved()
+                        self._leave(leg)
+                        leg = None
                     batch.at = r
                     try:
                         value = await run_items(r.pipe, value)
@@ -267,7 +211,18 @@ class RayPipeline:
                     batch.at = None
                     self._moved()
                 else:
-                    if isinstance(value, list) and sum(v.nbytes for v in value) > INLINE:
+                    if isinstance(value, list):
+                        value = pack(value)
+                    if isinstance(value, list):  # big: one batch in Ray's hands per leg
+                        if held is not None:
+                            leg, held = held, None
+                        else:
+                            leg = self._legs[i]
+                            if leg.busy:
+                                leg.queue.append((batch, value))
+                                batch.queued = leg
+                                return
+                            leg.busy = True
                         # .remote() copies large arguments into Ray's object store on
                         # the calling thread: not on the loop
                         value = await trio.to_thread.run_sync(r.actor.run.remote, value)
@@ -275,12 +230,11 @@ class RayPipeline:
                         value = r.actor.run.remote(value)
                     batch.hops.append((r, value))
             if isinstance(value, ray.ObjectRef):
+                last = self.runners[-1].segment
                 value = await resolve(value)
-            if not isinstance(value, list) or len(value) != len(batch.items):
-                raise DeviceFault(
-                    f"the last segment returned {type(value).__name__} for a batch of "
-                    f"{len(batch.items)} items (expected a list of arrays)"
-                )
+                self._leave(leg)
+                leg = None
+                value = unpack(value, n, last.out_shape, last.out_dtype, writable=True)
             outcome = value
         except ray.exceptions.RayError as exc:  # before HcqaError: Ray's may subclass both
             outcome = self._ray_fault(exc, batch)
@@ -295,15 +249,42 @@ class RayPipeline:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._end(batch, outcome)
+            if batch.queued is None:
+                self._end(batch, outcome)
+                self._leave(leg)
 
-    def _end(self, batch: _Batch, outcome: BaseException | list[npt.NDArray[Any]] | None) -> None:
+    def _leave(self, leg: Leg | None) -> None:
+        """A batch is out of ``leg``: the big batches queued for it go on, merged into
+        one of at most ``depth`` items (the oldest first)."""
+        if leg is None:
+            return
+        leg.busy = False
+        if not leg.queue or self.fault is not None or self._closing:
+            return
+        taken = [leg.queue.pop(0)]
+        room = self.depth - len(taken[0][0].items)
+        while leg.queue and len(leg.queue[0][0].items) <= room:
+            room -= len(leg.queue[0][0].items)
+            taken.append(leg.queue.pop(0))
+        if len(taken) == 1:
+            batch, value = taken[0]
+            batch.queued = None
+        else:
+            batch = Batch([it for b, _ in taken for it in b.items])
+            value = [v for _, vs in taken for v in vs]
+            for b, _ in taken:
+                self._in_flight.remove(b)
+            self._in_flight.append(batch)
+            self.coalesced += len(taken) - 1
+        leg.busy = True
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run, batch, leg.start, value, leg, name="ray pipeline batch")
+
+    def _end(self, batch: Batch, outcome: BaseException | list[npt.NDArray[Any]] | None) -> None:
         if batch in self._in_flight:
             self._in_flight.remove(batch)
         if isinstance(outcome, list):
             for it, v in zip(batch.items, outcome, strict=True):
-                if not v.flags.writeable and v.nbytes <= INLINE:
-                    v = v.copy()  # small results writable, as a process pipeline's are
                 it.finish(v, None)
             self.completed += len(batch.items)
             self._moved()
@@ -322,7 +303,7 @@ class RayPipeline:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def _runner_of(self, exc: BaseException, batch: _Batch) -> Runner | None:
+    def _runner_of(self, exc: BaseException, batch: Batch) -> Runner | None:
         actor_id = getattr(exc, "actor_id", None)
         if actor_id:
             for r in self.runners:
@@ -330,7 +311,7 @@ class RayPipeline:
                     return r
         return batch.hops[-1][0] if batch.hops else None
 
-    def _ray_fault(self, exc: BaseException, batch: _Batch) -> HcqaError:
+    def _ray_fault(self, exc: BaseException, batch: Batch) -> HcqaError:
         """Ray's error for a batch as an hcqa error naming the segment and its node."""
         cause = getattr(exc, "cause", None)
         if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, HcqaError):
@@ -362,7 +343,7 @@ class RayPipeline:
     async def _kill(self) -> None:
         actors = [r.actor for r in self.runners if r.actor is not None]
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(_kill_actors, actors)
+            await trio.to_thread.run_sync(kill_actors, actors)
 
     async def _watchdog(self) -> None:
         """No batch moved for ``BACKSTOP * hang_limit`` while items are in flight: the
@@ -388,7 +369,7 @@ class RayPipeline:
                 return
             refs = [ref for b in self._in_flight for _, ref in b.hops[b.ready :]]
             if refs:
-                ready, _ = await trio.to_thread.run_sync(_ready, refs)
+                ready, _ = await trio.to_thread.run_sync(ready_refs, refs)
                 done = set(ready)
                 for b in self._in_flight:
                     while b.ready < len(b.hops) and b.hops[b.ready][1] in done:
@@ -398,9 +379,11 @@ class RayPipeline:
                 self._hang(self._in_flight[0])
                 return
 
-    def _hang(self, batch: _Batch) -> None:
+    def _hang(self, batch: Batch) -> None:
         if batch.at is not None:
             r = batch.at
+        elif batch.queued is not None:
+            r = self.runners[batch.queued.start]
         elif batch.ready < len(batch.hops):
             r = batch.hops[batch.ready][0]
         else:
@@ -446,16 +429,3 @@ class RayPipeline:
             self._slot_waiters.popleft().set()
         if self._idle is not None:
             self._idle.set()
-
-
-def _ready(refs: list[Any]) -> tuple[list[Any], list[Any]]:
-    ready, rest = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-    return list(ready), list(rest)
-
-
-def _kill_actors(actors: Sequence[Any]) -> None:
-    for a in actors:
-        try:
-            ray.kill(a, no_restart=True)
-        except Exception:  # already gone, or Ray is shutting down
-            pass
