@@ -51,6 +51,7 @@ import stat
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -227,19 +228,19 @@ class Signal:
                 if self._closed:
                     return
                 self._value.value = value
+                for peer in self._peers:  # first: another process's sleeper wakes sooner
+                    os.eventfd_write(peer, 1)
                 if (self._waiters and self._wakes(value)) or _forked or self._alone:
                     os.eventfd_write(self._fd, 1)
-                for peer in self._peers:
-                    os.eventfd_write(peer, 1)
             return
         # unguarded: a device's own signal, closed only after every writer was joined
         if self._closed:
             return
         self._value.value = value
-        if (self._waiters and self._wakes(value)) or _forked or self._alone:
-            os.eventfd_write(self._fd, 1)
         for peer in self._peers:
             os.eventfd_write(peer, 1)
+        if (self._waiters and self._wakes(value)) or _forked or self._alone:
+            os.eventfd_write(self._fd, 1)
 
     def _wakes(self, value: int) -> bool:
         """Whether a write of ``value`` must wake this process's waiters: one of them
@@ -547,6 +548,52 @@ class Signal:
         if self._broken is not None or not waiter.expired:
             self._raise_broken(observe)
         return False
+
+    async def _wait_kicked(self, target: int, kick: Callable[[int], None], arg: int) -> None:
+        """``kick(arg)`` -- which starts whatever will bring the value to ``target`` --
+        then :meth:`wait` for ``target`` (a checkpoint; the break error is raised as there).
+
+        For a waiter that sets its own producer going (a process pipeline's caller feeds
+        the first stage): when nobody owns the eventfd it becomes the owner *before* the
+        kick, so that after the kick it goes straight to sleep on the eventfd -- nothing of
+        the wait's set-up delays the producer it just woke -- and leaves through the
+        owner's usual exit (``_unregister`` hands the eventfd to a parked waiter). Else
+        (an owner is there, or the caller is an asyncio task) it kicks and waits like any
+        :meth:`wait`. ``kick`` must not await; if it raises, the wait is left as a
+        cancelled one would be."""
+        if not trio.lowlevel.in_trio_task():
+            kick(arg)
+            await self._wait_limited(target, None, "")
+            return
+        waiter = Waiter(target, trio_task=True)
+        with self._lock:
+            owner = self._owner is None and not self._closed
+            if owner:
+                self._waiters[waiter] = None  # listed, so producers write the eventfd
+                self._owner = waiter
+        if not owner:
+            kick(arg)
+            await self._wait_limited(target, None, "")
+            return
+        rereader = watch() if self._rereads else None
+        yielded = False
+        try:
+            kick(arg)
+            if rereader is not None:
+                rereader.add(self)  # memory-only writes reach the eventfd through it
+            fd, value = self._fd, self._value  # the slot stays ours while we are listed
+            while value.value < target and self._broken is None:
+                yielded = True
+                await trio.lowlevel.wait_readable(fd)
+                self._drain()
+        finally:
+            if rereader is not None:
+                rereader.remove(self)
+            self._unregister(waiter)
+        if not yielded:  # reached (or broken) before any sleep: still schedule
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        if self.value < target:
+            self._raise_broken()
 
     def _expire(self, waiter: Waiter) -> None:
         """The re-reader found ``waiter``'s hang limit passed with no progress: wake it

@@ -176,8 +176,7 @@ class ProcessPipeline:
             else:
                 await _items.copy(self._inputs[slot], arr, lambda: self._copy_in(slot, arr))
             fed = True
-            self._feed(k)
-            await self._last.wait(k)
+            await self._last._wait_kicked(k, self._feed, k)  # own the eventfd, feed, sleep
             self.completed += 1
             if oslot != slot:
                 lent = True
@@ -420,8 +419,7 @@ class PipelineItem:
             raise InvalidCommand(f"item {self.number} was already run")
         self.fed = True
         pipe = self.pipe
-        pipe._feed(self.number)
-        await pipe._last.wait(self.number)
+        await pipe._last._wait_kicked(self.number, pipe._feed, self.number)
         pipe.completed += 1
         return pipe._outputs[self.slot]
 

@@ -1,0 +1,208 @@
+"""The process pipeline caller's wait (``Signal._wait_kicked``): it owns the last stage's
+eventfd *before* it feeds the first stage, and falls back to an ordinary park when another
+waiter owns it -- exact under cancellation, breaks and closes. (Quick: one process, no
+workers; ~0.3 s.)"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import trio
+import trio.testing
+
+from hcqa.errors import DeviceClosed, DeviceFault
+from hcqa.signals import Signal
+
+
+def _signal() -> Signal:
+    sig = Signal(name="done1")
+    sig._rereads = False  # as in a pipeline: every producer writes the eventfd
+    return sig
+
+
+async def test_the_caller_owns_the_eventfd_before_it_kicks() -> None:
+    sig = _signal()
+    seen = []
+
+    def kick(k: int) -> None:
+        stats = sig.statistics()
+        seen.append((k, stats.owner, stats.waiters))
+        # a producer in another thread, as fast as it gets: it must find us listed
+        threading.Thread(target=sig._set_from_engine, args=(k,)).start()
+
+    with trio.fail_after(10):
+        await sig._wait_kicked(3, kick, 3)
+    assert seen == [(3, "task", 1)]
+    assert sig.value == 3
+    stats = sig.statistics()
+    assert (stats.owner, stats.waiters) == ("none", 0)
+    sig.close()
+
+
+async def test_with_an_owner_there_it_kicks_and_parks_like_any_wait() -> None:
+    sig = _signal()
+    order: list[str] = []
+    kicked: list[tuple[str, int]] = []
+
+    async def plain() -> None:
+        await sig.wait(5)
+        order.append("plain")
+
+    async def kicked_wait() -> None:
+        await sig._wait_kicked(3, lambda k: kicked.append((sig.statistics().owner, k)), 3)
+        order.append("kicked")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(plain)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(kicked_wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert kicked == [("task", 3)]  # the plain waiter owned it when we kicked
+            assert sig.statistics().waiters == 2
+            sig._set_from_engine(3)
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == ["kicked"]
+            sig._set_from_engine(5)
+    assert order == ["kicked", "plain"]
+    assert sig.statistics().owner == "none"
+    sig.close()
+
+
+async def test_a_cancelled_owner_hands_the_eventfd_to_a_parked_waiter() -> None:
+    sig = _signal()
+    woke = trio.Event()
+
+    async def plain() -> None:
+        await sig.wait(2)
+        woke.set()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            owner_scope = trio.CancelScope()
+            nursery.start_soon(_in_scope, owner_scope, sig, 9)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(plain)
+            await trio.testing.wait_all_tasks_blocked()
+            assert sig.statistics().waiters == 2
+            owner_scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            # the heir sleeps on the eventfd now: a write from another thread must wake it
+            producer = threading.Thread(target=sig._set_from_engine, args=(2,))
+            producer.start()
+            await woke.wait()
+            producer.join()
+    stats = sig.statistics()
+    assert (stats.owner, stats.waiters) == ("none", 0)
+    sig.close()
+
+
+async def _in_scope(scope: trio.CancelScope, sig: Signal, target: int) -> None:
+    with scope:
+        await sig._wait_kicked(target, lambda k: None, target)
+
+
+@pytest.mark.parametrize("how", ["break", "close"])
+async def test_a_break_or_close_ends_the_kicked_wait_with_its_error(how: str) -> None:
+    sig = _signal()
+    fault = DeviceFault("worker 1 died", device="worker1")
+    caught: list[BaseException] = []
+
+    async def caller() -> None:
+        try:
+            await sig._wait_kicked(4, lambda k: None, 4)
+        except (DeviceFault, DeviceClosed) as exc:
+            caught.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            if how == "break":
+                sig._break(fault)
+            else:
+                sig.close()
+    assert len(caught) == 1
+    if how == "break":
+        assert caught[0] is fault
+        sig.close()
+    else:
+        assert isinstance(caught[0], DeviceClosed)
+    assert sig.statistics().closed
+    assert not sig._finalizer.alive  # the last waiter out released the slot and the fd
+
+
+async def test_a_kick_that_raises_leaves_no_waiter_behind() -> None:
+    sig = _signal()
+
+    def kick(k: int) -> None:
+        raise ValueError(f"bad kick {k}")
+
+    with pytest.raises(ValueError, match="bad kick 1"):
+        await sig._wait_kicked(1, kick, 1)
+    stats = sig.statistics()
+    assert (stats.owner, stats.waiters) == ("none", 0)
+    await sig._wait_kicked(1, sig._set_from_engine, 1)  # reached by the kick itself
+    assert sig.statistics().owner == "none"
+    sig.close()
+
+
+async def test_random_cancellations_among_kicked_and_plain_waits_lose_no_wake_up() -> None:
+    """Kicked and plain waiters come and go (a third cancelled) while a producer thread
+    steps the value; every wait not cancelled returns with its target reached."""
+    rng = random.Random(18)
+    sig = _signal()
+    results: list[tuple[int, int]] = []
+    cancelled = 0
+
+    async def waiter(target: int, kicked: bool, scope: trio.CancelScope) -> None:
+        with scope:
+            if kicked:
+                await sig._wait_kicked(target, lambda k: None, target)
+            else:
+                await sig.wait(target)
+            results.append((target, sig.value))
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            scopes: list[trio.CancelScope] = []
+            for step in range(1, 61):
+                for _ in range(rng.randint(0, 3)):
+                    scope = trio.CancelScope()
+                    scopes.append(scope)
+                    target = step + rng.randint(0, 5)
+                    nursery.start_soon(waiter, target, rng.random() < 0.5, scope)
+                await trio.testing.wait_all_tasks_blocked()
+                for scope in scopes:
+                    if not scope.cancel_called and rng.random() < 0.1:
+                        scope.cancel()
+                        cancelled += 1
+                producer = threading.Thread(target=sig._set_from_engine, args=(step,))
+                producer.start()
+                producer.join()
+            sig._set_from_engine(100)
+    started = len(scopes)
+    assert cancelled > 0 and len(results) > started // 2
+    assert all(value >= target for target, value in results)
+    stats = sig.statistics()
+    assert (stats.owner, stats.waiters) == ("none", 0)
+    sig.close()
+
+
+def test_an_asyncio_caller_kicks_and_waits_without_trio() -> None:
+    import asyncio
+
+    sig = _signal()
+
+    def kick(k: int) -> None:
+        threading.Thread(target=sig._set_from_engine, args=(k,)).start()
+
+    async def main() -> None:
+        await asyncio.wait_for(sig._wait_kicked(2, kick, 2), 10)
+
+    asyncio.run(main())
+    assert sig.value == 2
+    assert sig.statistics().waiters == 0
+    sig.close()
