@@ -5,9 +5,11 @@ workers; ~0.3 s.)"""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -206,3 +208,25 @@ def test_an_asyncio_caller_kicks_and_waits_without_trio() -> None:
     assert sig.value == 2
     assert sig.statistics().waiters == 0
     sig.close()
+
+
+async def test_only_the_last_stage_wakes_the_coordinator() -> None:
+    """An intermediate stage wakes the next stage alone: the coordinator's copy of its
+    ``done`` gets the value (the watchdog reads it) but no eventfd write; a wait there
+    still returns, through the signal's memory re-read. The last stage's wakes it."""
+    from hcqa.processes import open_process_pipeline
+
+    x = np.arange(4, dtype=np.float32)
+    async with open_process_pipeline(["hcqa.workers:add_one"] * 2, in_shape=(4,)) as pipe:
+        done0, done1 = pipe.signals["done0"], pipe.signals["done1"]
+        with trio.fail_after(20):
+            for _ in range(3):
+                np.testing.assert_array_equal(await pipe(x), x + 2)
+            assert (done0.value, done1.value) == (3, 3)
+            with pytest.raises(BlockingIOError):
+                os.eventfd_read(done0.fd)  # never written by worker 0
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(done0.wait, 4)
+                nursery.start_soon(done1.wait, 4)
+                await trio.testing.wait_all_tasks_blocked()
+                np.testing.assert_array_equal(await pipe(x), x + 2)

@@ -97,10 +97,13 @@ async def _worker_main(fd: int) -> None:
             for name, pfd in zip(peers["names"], pfds, strict=True):
                 by_name[name].add_peer(pfd)
             inp, done = sigs
-            # Every write of ``done`` wakes the next stage first: the coordinator's eventfd
-            # (attached first) only matters for the last stage, the one it waits on.
+            # ``done``'s peers: the coordinator's eventfd (attached first), then the next
+            # stage's. Nothing in the coordinator sleeps on an intermediate ``done`` (its
+            # watchdog reads the values), so only the last stage -- the one its callers
+            # wait on -- wakes it; an intermediate stage wakes the next stage alone.
             # (The stage thread, the only writer, has not started yet.)
-            done._peers.reverse()
+            if column == 0 and len(done._peers) > 1:
+                os.close(done._peers.pop(0))
             ins = [b._kernel_array() for b in buffers[:n_in]]
             outs = [b._kernel_array() for b in buffers[n_in : n_in + n_out]]
             table = buffers[n_in + n_out]._kernel_array()
