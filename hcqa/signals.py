@@ -51,7 +51,6 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -549,42 +548,39 @@ class Signal:
             self._raise_broken(observe)
         return False
 
-    async def _wait_kicked(self, target: int, kick: Callable[[int], None], arg: int) -> None:
-        """``kick(arg)`` -- which starts whatever will bring the value to ``target`` --
-        then :meth:`wait` for ``target`` (a checkpoint; the break error is raised as there).
-
-        For a waiter that sets its own producer going (a process pipeline's caller feeds
-        the first stage): when nobody owns the eventfd it becomes the owner *before* the
-        kick, so that after the kick it goes straight to sleep on the eventfd -- nothing of
-        the wait's set-up delays the producer it just woke -- and leaves through the
-        owner's usual exit (``_unregister`` hands the eventfd to a parked waiter). Else
-        (an owner is there, or the caller is an asyncio task) it kicks and waits like any
-        :meth:`wait`. ``kick`` must not await; if it raises, the wait is left as a
-        cancelled one would be."""
-        if not trio.lowlevel.in_trio_task():
-            kick(arg)
+    async def _wait_sole(self, target: int) -> None:
+        """:meth:`wait` for a trio task that is most often the signal's only waiter (a
+        process pipeline's caller, after it fed its item): when nobody owns the eventfd
+        it takes it and sleeps on it with none of the parking lot's set-up (no abort
+        callback, no re-claim loop, no re-reader unless the signal needs one), and leaves
+        through the owner's usual exit -- ``_unregister`` hands the eventfd to a waiter
+        that parked meanwhile, so none is lost. Else (an owner is there, the signal is
+        closed, or the caller is an asyncio task) it is :meth:`wait`."""
+        if self._owner is not None or self._closed or not trio.lowlevel.in_trio_task():
             await self._wait_limited(target, None, "")
+            return
+        if self.value >= target:
+            await trio.lowlevel.checkpoint()
             return
         waiter = Waiter(target, trio_task=True)
         with self._lock:
             owner = self._owner is None and not self._closed
             if owner:
-                self._waiters[waiter] = None  # listed, so producers write the eventfd
+                self._waiters[waiter] = None  # listed before the value is read again
                 self._owner = waiter
-        if not owner:
-            kick(arg)
+        if not owner:  # a thread took it in between
             await self._wait_limited(target, None, "")
             return
-        rereader = watch() if self._rereads else None
+        rereader = None
+        if self._rereads:
+            rereader = watch()
+            rereader.add(self)  # memory-only writes reach the eventfd through it
         yielded = False
         try:
-            kick(arg)
-            if rereader is not None:
-                rereader.add(self)  # memory-only writes reach the eventfd through it
             fd, value = self._fd, self._value  # the slot stays ours while we are listed
             while value.value < target and self._broken is None:
                 yielded = True
-                await trio.lowlevel.wait_readable(fd)
+                await trio.lowlevel.wait_readable(fd)  # a checkpoint: cancels land here
                 self._drain()
         finally:
             if rereader is not None:

@@ -1,7 +1,7 @@
-"""The process pipeline caller's wait (``Signal._wait_kicked``): it owns the last stage's
-eventfd *before* it feeds the first stage, and falls back to an ordinary park when another
-waiter owns it -- exact under cancellation, breaks and closes. (Quick: one process, no
-workers; ~0.3 s.)"""
+"""The process pipeline caller's wait (``Signal._wait_sole``): it owns the last stage's
+eventfd with none of a signal wait's parking set-up, and falls back to an ordinary park when
+another waiter owns it -- exact under cancellation, breaks and closes; and only the last
+stage wakes the coordinator. (Quick: ~0.8 s, one pipeline opened.)"""
 
 from __future__ import annotations
 
@@ -24,51 +24,54 @@ def _signal() -> Signal:
     return sig
 
 
-async def test_the_caller_owns_the_eventfd_before_it_kicks() -> None:
+async def test_a_sole_caller_owns_the_eventfd_while_it_waits() -> None:
     sig = _signal()
     seen = []
 
-    def kick(k: int) -> None:
-        stats = sig.statistics()
-        seen.append((k, stats.owner, stats.waiters))
-        # a producer in another thread, as fast as it gets: it must find us listed
-        threading.Thread(target=sig._set_from_engine, args=(k,)).start()
+    async def caller() -> None:
+        await sig._wait_sole(3)
+        seen.append(sig.value)
 
     with trio.fail_after(10):
-        await sig._wait_kicked(3, kick, 3)
-    assert seen == [(3, "task", 1)]
-    assert sig.value == 3
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            stats = sig.statistics()
+            assert (stats.owner, stats.waiters) == ("task", 1)
+            # a producer in another thread: it finds us listed and writes the eventfd
+            producer = threading.Thread(target=sig._set_from_engine, args=(3,))
+            producer.start()
+            producer.join()
+    assert seen == [3]
     stats = sig.statistics()
     assert (stats.owner, stats.waiters) == ("none", 0)
     sig.close()
 
 
-async def test_with_an_owner_there_it_kicks_and_parks_like_any_wait() -> None:
+async def test_with_an_owner_there_it_parks_like_any_wait() -> None:
     sig = _signal()
     order: list[str] = []
-    kicked: list[tuple[str, int]] = []
 
     async def plain() -> None:
         await sig.wait(5)
         order.append("plain")
 
-    async def kicked_wait() -> None:
-        await sig._wait_kicked(3, lambda k: kicked.append((sig.statistics().owner, k)), 3)
-        order.append("kicked")
+    async def sole_wait() -> None:
+        await sig._wait_sole(3)
+        order.append("sole")
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(plain)
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(kicked_wait)
+            nursery.start_soon(sole_wait)
             await trio.testing.wait_all_tasks_blocked()
-            assert kicked == [("task", 3)]  # the plain waiter owned it when we kicked
-            assert sig.statistics().waiters == 2
+            assert sig.statistics().waiters == 2  # parked behind the plain owner
             sig._set_from_engine(3)
             await trio.testing.wait_all_tasks_blocked()
-            assert order == ["kicked"]
+            assert order == ["sole"]
             sig._set_from_engine(5)
-    assert order == ["kicked", "plain"]
+    assert order == ["sole", "plain"]
     assert sig.statistics().owner == "none"
     sig.close()
 
@@ -103,18 +106,18 @@ async def test_a_cancelled_owner_hands_the_eventfd_to_a_parked_waiter() -> None:
 
 async def _in_scope(scope: trio.CancelScope, sig: Signal, target: int) -> None:
     with scope:
-        await sig._wait_kicked(target, lambda k: None, target)
+        await sig._wait_sole(target)
 
 
 @pytest.mark.parametrize("how", ["break", "close"])
-async def test_a_break_or_close_ends_the_kicked_wait_with_its_error(how: str) -> None:
+async def test_a_break_or_close_ends_the_sole_wait_with_its_error(how: str) -> None:
     sig = _signal()
     fault = DeviceFault("worker 1 died", device="worker1")
     caught: list[BaseException] = []
 
     async def caller() -> None:
         try:
-            await sig._wait_kicked(4, lambda k: None, 4)
+            await sig._wait_sole(4)
         except (DeviceFault, DeviceClosed) as exc:
             caught.append(exc)
 
@@ -136,33 +139,31 @@ async def test_a_break_or_close_ends_the_kicked_wait_with_its_error(how: str) ->
     assert not sig._finalizer.alive  # the last waiter out released the slot and the fd
 
 
-async def test_a_kick_that_raises_leaves_no_waiter_behind() -> None:
+async def test_a_reached_target_still_checkpoints_like_wait() -> None:
     sig = _signal()
-
-    def kick(k: int) -> None:
-        raise ValueError(f"bad kick {k}")
-
-    with pytest.raises(ValueError, match="bad kick 1"):
-        await sig._wait_kicked(1, kick, 1)
+    sig._set_from_engine(2)
+    await sig._wait_sole(1)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await sig._wait_sole(2)  # raises Cancelled, as sig.wait(2) would
+    assert scope.cancelled_caught
     stats = sig.statistics()
     assert (stats.owner, stats.waiters) == ("none", 0)
-    await sig._wait_kicked(1, sig._set_from_engine, 1)  # reached by the kick itself
-    assert sig.statistics().owner == "none"
     sig.close()
 
 
-async def test_random_cancellations_among_kicked_and_plain_waits_lose_no_wake_up() -> None:
-    """Kicked and plain waiters come and go (a third cancelled) while a producer thread
+async def test_random_cancellations_among_sole_and_plain_waits_lose_no_wake_up() -> None:
+    """Sole and plain waiters come and go (some cancelled) while a producer thread
     steps the value; every wait not cancelled returns with its target reached."""
     rng = random.Random(18)
     sig = _signal()
     results: list[tuple[int, int]] = []
     cancelled = 0
 
-    async def waiter(target: int, kicked: bool, scope: trio.CancelScope) -> None:
+    async def waiter(target: int, sole: bool, scope: trio.CancelScope) -> None:
         with scope:
-            if kicked:
-                await sig._wait_kicked(target, lambda k: None, target)
+            if sole:
+                await sig._wait_sole(target)
             else:
                 await sig.wait(target)
             results.append((target, sig.value))
@@ -193,16 +194,14 @@ async def test_random_cancellations_among_kicked_and_plain_waits_lose_no_wake_up
     sig.close()
 
 
-def test_an_asyncio_caller_kicks_and_waits_without_trio() -> None:
+def test_an_asyncio_caller_waits_the_asyncio_way() -> None:
     import asyncio
 
     sig = _signal()
 
-    def kick(k: int) -> None:
-        threading.Thread(target=sig._set_from_engine, args=(k,)).start()
-
     async def main() -> None:
-        await asyncio.wait_for(sig._wait_kicked(2, kick, 2), 10)
+        threading.Thread(target=sig._set_from_engine, args=(2,)).start()
+        await asyncio.wait_for(sig._wait_sole(2), 10)
 
     asyncio.run(main())
     assert sig.value == 2

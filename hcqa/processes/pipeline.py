@@ -176,7 +176,8 @@ class ProcessPipeline:
             else:
                 await _items.copy(self._inputs[slot], arr, lambda: self._copy_in(slot, arr))
             fed = True
-            await self._last._wait_kicked(k, self._feed, k)  # own the eventfd, feed, sleep
+            self._feed(k)
+            await self._last._wait_sole(k)
             self.completed += 1
             if oslot != slot:
                 lent = True
@@ -419,7 +420,8 @@ class PipelineItem:
             raise InvalidCommand(f"item {self.number} was already run")
         self.fed = True
         pipe = self.pipe
-        await pipe._last._wait_kicked(self.number, pipe._feed, self.number)
+        pipe._feed(self.number)
+        await pipe._last._wait_sole(self.number)
         pipe.completed += 1
         return pipe._outputs[self.slot]
 
