@@ -202,6 +202,43 @@ async def test_big_batches_wait_for_their_ray_leg_and_merge(
         os.close(gate)
 
 
+async def test_actor_dying_ends_batches_waiting_for_its_leg(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The leg's actor killed while one big batch is in it and four wait for it: every
+    call ends with the one sticky DeviceFault naming the node (none hangs)."""
+    b = node_of(cluster, "b")
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    gate = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    errors: list[BaseException] = []
+    try:
+        async with open_ray_pipeline(
+            [ProcessStage(fn="_ray_stages:held", args={"fifo": fifo})],
+            placement=[b.node_id],
+            in_shape=(20000,),
+            depth=8,
+            path=[TESTS],
+        ) as pipe:
+
+            async def caller(j: int) -> None:
+                try:
+                    await pipe(np.full(20000, j, np.float32))
+                except HcqaError as exc:
+                    errors.append(exc)
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as nursery:
+                    for j in range(5):
+                        nursery.start_soon(caller, j)
+                        await trio.testing.wait_all_tasks_blocked()
+                    os.kill(pipe.statistics().hosts[0], 9)
+        assert len(errors) == 5 and all(e is errors[0] for e in errors), errors
+        assert isinstance(errors[0], DeviceFault) and b.node_id in str(errors[0])
+    finally:
+        os.close(gate)
+
+
 async def test_stage_raises_is_sticky_fault_naming_node_and_stage(cluster: Cluster) -> None:
     b = node_of(cluster, "b")
     stages = ["hcqa.processes.stages:add_one", "_ray_stages:fail_on_negative"]
