@@ -23,8 +23,12 @@ How an item travels
     -- or the items themselves. One call per batch per hop, not per item: Ray's
     per-call cost (a millisecond or more on a small host) is paid once for every item
     that was ready. Only the last ObjectRef (or a local segment's input) is waited for
-    in the driver, woken by Ray's callback (``pipeline.resolve``), never by polling. At most
-    ``depth`` items per segment are in flight; further callers wait, FIFO.
+    in the driver, woken by Ray's callback (``_batches.resolve``), never by polling. At most
+    ``depth`` items per segment are in flight; further callers wait, FIFO. A small batch
+    crosses Ray as one bytes object (``_segment.pack``); a big one (over 64 KiB) holds
+    its *leg* -- the run of remote segments it is in -- until it is back, and big
+    batches arriving meanwhile wait and go on merged (``_batches``): Ray's transfers
+    between nodes collapse when several run at once.
 
 Faults and hangs
     A stage that raises faults its segment's process pipeline; the actor re-raises that
