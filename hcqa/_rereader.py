@@ -55,6 +55,10 @@ class Rereader:
         self.watched: dict[Signal, int] = {}  # owned signal -> value last seen
         self.timed: dict[Waiter, _Limit] = {}  # waiters with a hang limit
         self.ticks = 0
+        # What every trio wait of the run needs, looked up once: its waiter's wake-up
+        # token, and the clock hang limits are timed by.
+        self.token = trio.lowlevel.current_trio_token()
+        self._clock = trio.lowlevel.current_clock()
         self._idle: trio.Event | None = None
         self._sleep: trio.CancelScope | None = None  # the tick being waited for
         trio.lowlevel.spawn_system_task(self._run, name="hcqa signal re-reader")
@@ -71,7 +75,7 @@ class Rereader:
 
     def time(self, waiter: Waiter, sig: Signal, limit: float) -> None:
         """Time ``waiter`` (parked on ``sig``) against the hang ``limit`` from now."""
-        now = trio.current_time()
+        now = self._clock.current_time()
         self.timed[waiter] = _Limit(sig, sig._value.value, now + limit, limit)
         idle = self._idle
         if idle is not None:

@@ -51,23 +51,33 @@ class Waiter:
         "token",
     )
 
-    def __init__(self, target: int, *, trio_task: bool) -> None:
+    def __init__(
+        self,
+        target: int,
+        *,
+        trio_task: bool = False,
+        task: trio.lowlevel.Task | None = None,
+        token: trio.lowlevel.TrioToken | None = None,
+    ) -> None:
+        """A thread's waiter, or a trio task's: ``trio_task=True`` looks up the current
+        task and run, or the caller passes them (``task``, ``token``: the park path of
+        a trio wait has them at hand)."""
         self.target = target
         self.state = State.PARKED
         self.msg = DONE
         self.expired = False  # its hang limit passed with no progress (``_rereader.py``)
         self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
         self.thread = threading.get_ident()
-        self.task: trio.lowlevel.Task | None = None
-        self.token: trio.lowlevel.TrioToken | None = None
+        if trio_task:
+            task = trio.lowlevel.current_task()
+            token = trio.lowlevel.current_trio_token()
+        self.task = task
+        self.token = token
         # A thread's semaphore is made when it first parks (see ``park_lock``): most
         # thread waits own the eventfd and never park, and a semaphore costs microseconds.
         self.lock: threading.Semaphore | None = None
         self.future: Any = None  # an asyncio waiter's Future, and its loop
         self.loop: Any = None
-        if trio_task:
-            self.task = trio.lowlevel.current_task()
-            self.token = trio.lowlevel.current_trio_token()
 
     def park_lock(self) -> None:
         """A thread about to be listed as parked: make the semaphore it will block on.

@@ -51,6 +51,7 @@ import stat
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -496,19 +497,9 @@ class Signal:
         if self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             self._raise_broken(observe)
-        waiter = Waiter(target, trio_task=True)
-        yielded = False
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            with self._lock:
-                if waiter.state is not State.PARKED:
-                    return trio.lowlevel.Abort.FAILED  # a wake-up is on its way
-                waiter.state = State.ABORTED
-                waiter.parked = False
-                self._waiters.pop(waiter, None)
-            return trio.lowlevel.Abort.SUCCEEDED
-
         rereader = watch()
+        waiter = Waiter(target, task=trio.lowlevel.current_task(), token=rereader.token)
+        yielded = False
         if hang_limit is not None:
             rereader.time(waiter, self, hang_limit)
         try:
@@ -533,7 +524,7 @@ class Signal:
                     break
                 waiter.parked = True
                 try:
-                    await trio.lowlevel.wait_task_rescheduled(abort)
+                    await trio.lowlevel.wait_task_rescheduled(self._aborter(waiter))
                 finally:
                     waiter.parked = False
         finally:
@@ -590,6 +581,21 @@ class Signal:
             await trio.lowlevel.cancel_shielded_checkpoint()
         if self.value < target:
             self._raise_broken()
+
+    def _aborter(self, waiter: Waiter) -> Callable[[Any], trio.lowlevel.Abort]:
+        """The abort callback of a parked trio waiter (made only when one parks: the
+        owner, the common case, sleeps in ``wait_readable`` and needs none)."""
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            with self._lock:
+                if waiter.state is not State.PARKED:
+                    return trio.lowlevel.Abort.FAILED  # a wake-up is on its way
+                waiter.state = State.ABORTED
+                waiter.parked = False
+                self._waiters.pop(waiter, None)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return abort
 
     def _expire(self, waiter: Waiter) -> None:
         """The re-reader found ``waiter``'s hang limit passed with no progress: wake it
