@@ -181,6 +181,30 @@ async def test_a_timeline_wakes_its_waiter_only_at_the_awaited_step() -> None:
         assert int(buf.numpy_view().view(np.int64)[0]) == 50
 
 
+async def test_a_fence_wait_needs_no_re_reader_yet_keeps_its_hang_limit() -> None:
+    # Every write of a timeline goes through the engine's set, which writes the eventfd
+    # for a listed waiter: the owner of a fence's wait sleeps without the re-reader's
+    # timer, and its hang limit is still timed.
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(8)
+        gate = Signal(name="gate")
+        try:
+            d.compute_queue().wait(gate, 1).submit()
+            fence = d.program("one", lambda a: a.__setitem__(0, 1))(buf)
+            rereader = watch()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fence.wait)
+                await trio.testing.wait_all_tasks_blocked()
+                assert fence.signal.statistics().owner == "task"
+                assert fence.signal not in rereader.watched
+                assert [t.signal for t in rereader.timed.values()].count(fence.signal) == 1
+                gate.value = 1
+            assert fence.reached and buf.numpy_view()[0] == 1
+            assert not rereader.timed
+        finally:
+            gate.close()
+
+
 # -- a program's launch record (the repeat-call fast path) ------------------------------------
 
 SETV_C = "void setv(unsigned char *out, int v) { out[0] = (unsigned char)v; }\n"

@@ -57,6 +57,10 @@ class Timeline:
         self.foreign_done = Signal(name=f"{name} foreign steps")
         for s in (*self.signals, self.foreign_done):
             s._guarded = False  # closed by the device only once every writer is done
+            # Written only through _set_from_engine / ``value``, which write the eventfd
+            # after the value whenever a waiter is listed: a trio wait on them needs no
+            # re-reader (no timer while a fence is awaited; hang limits are still timed).
+            s._rereads = False
         if start:
             self.signals[_epoch(start) % 2].value = _value(start)
 
