@@ -55,3 +55,10 @@ def held(fifo: str) -> Callable[[npt.NDArray[Any], npt.NDArray[Any]], None]:
         np.add(out, 1, out=out)
 
     return stage
+
+
+def fold(out: npt.NDArray[Any], inp: npt.NDArray[Any]) -> None:
+    """``out`` (any shape and dtype, no larger than ``inp``) = the sums of ``inp``'s
+    first and second halves, as far as ``out`` reaches (a stage that changes shape)."""
+    flat, half = inp.reshape(-1), inp.size // 2
+    np.add(flat[: out.size], flat[half : half + out.size], out=out.reshape(-1), casting="unsafe")

@@ -160,6 +160,40 @@ async def test_large_items_concurrent_callers(cluster: Cluster) -> None:
         assert pipe.statistics().batches < 8 * 2  # items ready together share Ray calls
 
 
+async def test_shapes_and_dtypes_change_across_ray_hops(cluster: Cluster) -> None:
+    """Stages that change shape and dtype on each side of each Ray hop, several items per
+    batch: every hop cuts its batch by the shape the previous stage gave (exact results)."""
+    head, b = node_of(cluster, "head"), node_of(cluster, "b")
+    stages = [
+        ProcessStage(fn="_ray_stages:fold", out_shape=(4, 4), out_dtype="float64"),
+        ProcessStage(fn="_ray_stages:fold", out_shape=(8,), out_dtype="int32"),
+        ProcessStage(fn="_ray_stages:fold", out_shape=(3,), out_dtype="float32"),
+    ]
+    async with open_ray_pipeline(
+        stages,
+        placement=[head.node_id, b.node_id, head.node_id],
+        in_shape=(2, 16),
+        dtype="int16",
+        depth=4,
+        path=[TESTS],
+    ) as pipe:
+
+        async def caller(j: int, out: dict[int, bool]) -> None:
+            x = (np.arange(32, dtype=np.int16) * (j + 1)).reshape(2, 16)
+            f = x.reshape(-1)
+            s1 = (f[:16] + f[16:]).astype(np.float64)  # (4, 4) float64
+            s2 = (s1[:8] + s1[8:]).astype(np.int32)  # (8,) int32
+            want = (s2[:3] + s2[4:7]).astype(np.float32)  # (3,) float32
+            y = await pipe(x)
+            out[j] = y.dtype == np.float32 and y.shape == (3,) and bool(np.array_equal(y, want))
+
+        results: dict[int, bool] = {}
+        async with trio.open_nursery() as nursery:
+            for j in range(8):
+                nursery.start_soon(caller, j, results)
+        assert results == dict.fromkeys(range(8), True)
+
+
 async def test_big_batches_wait_for_their_ray_leg_and_merge(
     cluster: Cluster, tmp_path: Path
 ) -> None:
