@@ -28,7 +28,6 @@ close last, as process pipelines do.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -61,6 +60,7 @@ def _actor_class() -> Any:
     return _REMOTE
 
 
+@aio.rehosts
 @asynccontextmanager
 async def open_ray_pipeline(
     stages: Sequence[ProcessStage | str],
@@ -114,24 +114,6 @@ async def open_ray_pipeline(
             "open_ray_pipeline needs a connected Ray driver: call ray.init(address=...) "
             "first (got ray.is_initialized() False)"
         )
-    if aio.asyncio_caller():
-        make = functools.partial(
-            open_ray_pipeline,
-            specs,
-            placement=placement,
-            in_shape=shape,
-            dtype=dt,
-            depth=depth,
-            grace=grace,
-            hang_limit=hang_limit,
-            blas_threads=blas_threads,
-            path=path,
-            local=local,
-            start_limit=start_limit,
-        )
-        async with aio.hosted(make, "open_ray_pipeline") as hosted:
-            yield hosted
-        return
     nodes = await trio.to_thread.run_sync(check_cluster, places)
     here = ray.get_runtime_context().get_node_id()
     segs = segments(specs, places, shape, dt)
