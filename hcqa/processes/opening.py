@@ -47,6 +47,7 @@ from hcqa.processes.pipeline import ProcessPipeline
 __all__ = ["open_process_pipeline"]
 
 
+@aio.rehosts
 @asynccontextmanager
 async def open_process_pipeline(
     stages: Sequence[ProcessStage | str],
@@ -83,22 +84,6 @@ async def open_process_pipeline(
         blas_threads=blas_threads,
         path=path,
     )
-    if aio.asyncio_caller():
-        make = functools.partial(
-            open_process_pipeline,
-            specs,
-            in_shape=shape,
-            dtype=dt,
-            depth=depth,
-            grace=grace,
-            hang_limit=hang_limit,
-            blas_threads=blas_threads,
-            path=path,
-            private=private,
-        )
-        async with aio.hosted(make, "open_process_pipeline") as hosted:
-            yield hosted
-        return
     sys_path = worker_path(path)
     if private:
         prctl(PR_SET_DUMPABLE, 0)
