@@ -88,6 +88,9 @@ class Exec:
     # ... and the call itself, ready to run (derived from ``args`` at every construction,
     # ``attrs.evolve`` included, so it can't go stale): the engine calls it directly.
     call: Callable[[], object] | None = attrs.field(init=False, eq=False, repr=False)
+    # A repeat call whose kernel was measured short (see ``program._Launch``): a device
+    # may run it on the caller's thread when its queue is idle (``Device._inline``).
+    inline: bool = attrs.field(default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         args, kernel = self.args, self.program.kernel

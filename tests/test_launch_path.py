@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import weakref
 
 import attrs
@@ -203,6 +204,78 @@ async def test_a_fence_wait_needs_no_re_reader_yet_keeps_its_hang_limit() -> Non
             assert not rereader.timed
         finally:
             gate.close()
+
+
+# -- short C kernels run inline once measured ---------------------------------------------------
+
+# Writes the id of the thread that runs it into out[0:8]; first spins out[8:16] times.
+TID_C = """
+#include <sys/syscall.h>
+#include <unistd.h>
+void tid(unsigned char *out) {
+    long long *p = (long long *)out;
+    for (volatile long long i = 0; i < p[1]; i++) {}
+    p[0] = (long long)syscall(SYS_gettid);
+}
+"""
+SPIN = 3_000_000  # iterations: milliseconds, far over SHORT_CALL_NS
+
+
+async def _ran_on(d: hcqa.Device, prog: hcqa.Program, buf: hcqa.Buffer) -> tuple[str, bool]:
+    """Call ``prog(buf)``; which thread ran it ("loop" or "engine"), and whether its fence
+    was reached when the call returned."""
+    fence = prog(buf)
+    reached = fence.reached
+    await fence
+    tid = int(buf.numpy_view().view(np.int64)[0])
+    return ("loop" if tid == threading.get_native_id() else "engine"), reached
+
+
+async def test_a_short_kernel_runs_inline_once_measured_and_stays_exact() -> None:
+    from hcqa.devices.program import INLINE_AFTER
+
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(16)
+        prog = d.program("tid", TID_C)
+        seen = [await _ran_on(d, prog, buf) for _ in range(1 + INLINE_AFTER)]
+        assert all(where == "engine" for where, _ in seen)  # the first call, then measured
+        for _ in range(200):  # a measured call slowed by the host starts the count again
+            where, reached = await _ran_on(d, prog, buf)
+            if where == "loop":
+                assert reached  # done when the call returned: no engine hop
+                break
+        else:
+            pytest.fail("a short kernel never ran inline")
+        before = d.compute.statistics()
+        fences = [prog(buf) for _ in range(3)]  # back to back: the queue stays idle
+        assert all(f.reached for f in fences)
+        assert d.compute.statistics().completed == before.completed + 3
+        other = d.alloc(16)  # other arguments: a new record, measured again
+        assert (await _ran_on(d, prog, other))[0] == "engine"
+
+
+async def test_a_kernel_slow_from_the_start_never_runs_inline() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(16)
+        buf.numpy_view().view(np.int64)[1] = SPIN
+        prog = d.program("tid", TID_C)
+        for _ in range(6):
+            assert (await _ran_on(d, prog, buf))[0] == "engine"
+
+
+async def test_an_inline_kernel_that_turns_slow_goes_back_to_the_engine() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(16)
+        prog = d.program("tid", TID_C)
+        for _ in range(200):
+            if (await _ran_on(d, prog, buf))[0] == "loop":
+                break
+        else:
+            pytest.fail("a short kernel never ran inline")
+        buf.numpy_view().view(np.int64)[1] = SPIN  # same arguments, more work
+        assert (await _ran_on(d, prog, buf))[0] == "loop"  # this one is measured long ...
+        for _ in range(3):  # ... so the next ones run on the engine again
+            assert (await _ran_on(d, prog, buf))[0] == "engine"
 
 
 # -- a program's launch record (the repeat-call fast path) ------------------------------------

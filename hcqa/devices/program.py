@@ -33,7 +33,10 @@ executor uses it to find dependencies.
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -76,6 +79,12 @@ def _positional_count(fn: Callable[..., Any]) -> int | None:
 
 _ONE = (1, 1, 1)
 GEOMETRY = ("global_size", "local_size")
+# A C kernel's repeat call runs inline on the caller's thread (an idle queue, no hazard)
+# once INLINE_AFTER calls in a row each took at most SHORT_CALL_NS: less than the two
+# thread wake-ups the engine would cost, and well within what the event loop may be held.
+SHORT_CALL_NS = 20_000
+SLEEP_LIMIT_NS = 1_000_000
+INLINE_AFTER = 3
 
 
 def _keyword_only(fn: Callable[..., Any]) -> tuple[str, ...]:
@@ -382,7 +391,20 @@ class _Launch:
     memory alive) and matches only immutable inputs: tuples of plain ints, never a list
     the caller could change."""
 
-    __slots__ = ("args", "buffers", "global_in", "global_size", "local_in", "local_size", "vals")
+    __slots__ = (
+        "args",
+        "buffers",
+        "caller",
+        "global_in",
+        "global_size",
+        "held",
+        "local_in",
+        "local_size",
+        "penalty",
+        "ready",
+        "short",
+        "vals",
+    )
 
     def __init__(self, exec_: cmd.Exec, global_in: object, local_in: object) -> None:
         self.buffers = tuple(weakref.ref(b) for b in exec_.buffers)
@@ -390,6 +412,13 @@ class _Launch:
         self.global_in, self.local_in = global_in, local_in
         self.global_size, self.local_size = exec_.global_size, exec_.local_size
         self.args = exec_.args
+        # A C kernel's repeat calls are timed (see ``_timed_call``): ``short`` counts the
+        # calls in a row that took at most SHORT_CALL_NS; -1 once an inline call did not.
+        self.ready = exec_.call
+        self.short = 0
+        self.penalty = 1
+        self.held: Callable[[], object] | None = None  # ready, but keeping the GIL
+        self.caller = threading.get_ident()  # the thread that runs inline calls
 
     @classmethod
     def of(
@@ -422,11 +451,51 @@ class _Launch:
         return all(type(v) is int and v == w for v, w in zip(vals, mine, strict=True))
 
     def exec_for(self, program: Program, bufs: tuple[Buffer, ...]) -> cmd.Exec:
-        return cmd.Exec(
+        short = self.short
+        exec_ = cmd.Exec(
             program=program,
             buffers=bufs,
             vals=self.vals,
             global_size=self.global_size,
             local_size=self.local_size,
             args=self.args,
+            inline=short >= INLINE_AFTER,
         )
+        if self.ready is not None:
+            object.__setattr__(exec_, "call", self._timed_call)
+        return exec_
+
+    def _timed_call(self) -> None:
+        """The kernel's call, timed on whichever thread runs it. INLINE_AFTER short calls
+        in a row let the next ones run inline. Inline (on the caller's thread) the kernel
+        is called with the GIL held: the caller waits for it anyway, and letting the GIL
+        go would hand it to another thread for longer than the kernel takes. A long call
+        starts the count again; one that ran inline also sets the count back by twice as
+        many calls as the last time (a kernel whose time depends on its data)."""
+        assert self.ready is not None
+        if self.short >= INLINE_AFTER and threading.get_ident() == self.caller:
+            held = self.held
+            if held is None:
+                held = self.held = _held_call(self.ready)
+            t0 = time.perf_counter_ns()
+            held()
+            if time.perf_counter_ns() - t0 > SHORT_CALL_NS:
+                self.penalty *= 2
+                self.short = -self.penalty
+            return
+        t0 = time.perf_counter_ns()
+        self.ready()
+        if time.perf_counter_ns() - t0 <= SHORT_CALL_NS:
+            self.short += 1
+        elif self.short > 0:
+            self.short = 0
+
+
+def _held_call(ready: Callable[[], object]) -> Callable[[], object]:
+    """``ready`` (a partial of a C kernel over its arguments) as a call that keeps the
+    GIL: the same function, through a ``PYFUNCTYPE`` prototype of the same signature."""
+    assert isinstance(ready, functools.partial)
+    fn: Any = ready.func
+    proto = ctypes.PYFUNCTYPE(fn.restype, *fn.argtypes)
+    address = ctypes.cast(fn, ctypes.c_void_p).value or 0
+    return functools.partial(proto(address), *ready.args)
