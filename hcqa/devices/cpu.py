@@ -18,7 +18,9 @@ device-to-device copies stay direct.
 
 A direct copy of at most ``INLINE_COPY_MAX`` (1 MiB) bytes, alone in its batch, on
 an idle copy queue with no hazard to wait for, runs inline on the caller's thread
-(``_inline``): the fence is reached when the call returns.
+(``_inline``): the fence is reached when the call returns. So does a C kernel's
+repeat call once it was measured short (``program._Launch``): at most 20 us in each
+of three calls in a row.
 """
 
 from __future__ import annotations
