@@ -392,19 +392,9 @@ class _Launch:
     the caller could change."""
 
     __slots__ = (
-        "args",
-        "buffers",
-        "caller",
-        "global_in",
-        "global_size",
-        "held",
-        "local_in",
-        "local_size",
-        "penalty",
-        "ready",
-        "short",
-        "vals",
-    )
+        "args", "buffers", "caller", "global_in", "global_size", "held",
+        "local_in", "local_size", "penalty", "ready", "short", "vals",
+    )  # fmt: skip
 
     def __init__(self, exec_: cmd.Exec, global_in: object, local_in: object) -> None:
         self.buffers = tuple(weakref.ref(b) for b in exec_.buffers)
