@@ -278,6 +278,18 @@ async def test_an_inline_kernel_that_turns_slow_goes_back_to_the_engine() -> Non
             assert (await _ran_on(d, prog, buf))[0] == "engine"
 
 
+async def test_inline_kernels_false_keeps_every_kernel_on_the_engine() -> None:
+    async with hcqa.open_device("cpu:0", inline_kernels=False) as d:
+        buf = d.alloc(16)
+        prog = d.program("tid", TID_C)
+        for _ in range(50):  # far past INLINE_AFTER short calls in a row
+            where, _ = await _ran_on(d, prog, buf)
+            assert where == "engine"
+    with pytest.raises(hcqa.InvalidCommand, match=r"'inline_kernels' must be a bool \(got int\)"):
+        async with hcqa.open_device("cpu:0", inline_kernels=1):
+            pass
+
+
 # -- a program's launch record (the repeat-call fast path) ------------------------------------
 
 SETV_C = "void setv(unsigned char *out, int v) { out[0] = (unsigned char)v; }\n"

@@ -91,10 +91,12 @@ class Device:
         queue_depth: int,
         memory: int,
         timeline_start: int = 0,
+        inline_kernels: bool = True,
     ) -> None:
         self.name = name
         self.hang_limit = hang_limit
         self.host_visible = host_visible
+        self.inline_kernels = inline_kernels  # short repeat kernel calls may run inline
         self.allocator = CachingAllocator(capacity=memory, name=name)
         self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
         self._error: BaseException | None = None

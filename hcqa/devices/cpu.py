@@ -88,9 +88,10 @@ class CpuDevice(Device):
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
         the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
         wake-ups the copy engine would cost (and no longer than the event loop may be held).
-        So do a C kernel's repeat calls once measured short (``program._Launch``)."""
+        So do a C kernel's repeat calls once measured short (``program._Launch``), unless
+        the device was opened with ``inline_kernels=False``."""
         if type(command) is cmd.Exec:
-            return command.inline
+            return command.inline and self.inline_kernels
         if type(command) is not cmd.Copy:
             return False
         n = command.nbytes

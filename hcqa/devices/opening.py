@@ -76,7 +76,14 @@ def _make(spec: object, options: dict[str, Any]) -> Device:
     return CpuDevice(name, **options)
 
 
-_OPTIONS = {"hang_limit", "host_visible", "queue_depth", "memory", "timeline_start"}
+_OPTIONS = {
+    "hang_limit",
+    "host_visible",
+    "queue_depth",
+    "memory",
+    "timeline_start",
+    "inline_kernels",
+}
 
 
 def _options(
@@ -85,6 +92,7 @@ def _options(
     queue_depth: int = 1024,
     memory: int | None = None,
     timeline_start: int = 0,
+    inline_kernels: bool = True,
 ) -> dict[str, Any]:
     if isinstance(hang_limit, bool) or not isinstance(hang_limit, (int, float)):
         raise InvalidCommand(
@@ -94,6 +102,10 @@ def _options(
         raise InvalidCommand(f"'hang_limit' must be > 0 (got {hang_limit})")
     if not isinstance(host_visible, bool):
         raise InvalidCommand(f"'host_visible' must be a bool (got {type(host_visible).__name__})")
+    if not isinstance(inline_kernels, bool):
+        raise InvalidCommand(
+            f"'inline_kernels' must be a bool (got {type(inline_kernels).__name__})"
+        )
     check_int("queue_depth", queue_depth, minimum=1)
     check_int("timeline_start", timeline_start, minimum=0)
     if memory is None:
@@ -106,6 +118,7 @@ def _options(
         "queue_depth": queue_depth,
         "memory": memory,
         "timeline_start": timeline_start,
+        "inline_kernels": inline_kernels,
     }
 
 
@@ -115,8 +128,11 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     """Open devices by spec (``"cpu:0"``, ``"cuda:1"``); yields them as a tuple.
 
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
-    ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes).
-    Under asyncio the block is held by a trio task of the loop's host (see ``hcqa.aio``).
+    ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes),
+    ``inline_kernels`` (default True: a repeat call of a C kernel measured short -- at most
+    20 us, three times in a row -- runs on the caller's thread when its queue is idle;
+    False keeps every kernel on the engine thread). Under asyncio the block is held by a
+    trio task of the loop's host (see ``hcqa.aio``).
     """
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
