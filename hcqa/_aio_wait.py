@@ -34,13 +34,13 @@ from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX
 from hcqa._waiters import Waiter
 
 if TYPE_CHECKING:
-    from hcqa.signals import Signal
+    from hcqa._parking import ParkingLot
 
 __all__ = ["wait_limited"]
 
 
 async def wait_limited(
-    sig: Signal, target: int, hang_limit: float | None, context: str, observe: bool
+    sig: ParkingLot, target: int, hang_limit: float | None, context: str, observe: bool
 ) -> None:
     """``Signal._wait_limited`` for an asyncio caller."""
     if sig.value >= target:
@@ -55,7 +55,7 @@ async def wait_limited(
         seen = now
 
 
-async def _park(sig: Signal, target: int, observe: bool, limit: float | None) -> bool:
+async def _park(sig: ParkingLot, target: int, observe: bool, limit: float | None) -> bool:
     """Park until ``target`` is reached (True) or ``limit`` seconds pass (False); raise
     the signal's break error if it broke first."""
     if sig._closed:

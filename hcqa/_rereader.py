@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
+    from hcqa._parking import ParkingLot
     from hcqa._waiters import Waiter
-    from hcqa.signals import Signal
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Rereader", "watch"]
 
@@ -52,7 +52,7 @@ class Rereader:
     """The re-reader of one trio run (see the module doc)."""
 
     def __init__(self) -> None:
-        self.watched: dict[Signal, int] = {}  # owned signal -> value last seen
+        self.watched: dict[ParkingLot, int] = {}  # owned signal -> value last seen
         self.timed: dict[Waiter, _Limit] = {}  # waiters with a hang limit
         self.ticks = 0
         # What every trio wait of the run needs, looked up once: its waiter's wake-up
@@ -63,17 +63,17 @@ class Rereader:
         self._sleep: trio.CancelScope | None = None  # the tick being waited for
         trio.lowlevel.spawn_system_task(self._run, name="hcqa signal re-reader")
 
-    def add(self, sig: Signal) -> None:
+    def add(self, sig: ParkingLot) -> None:
         self.watched[sig] = sig._value.value
         idle = self._idle
         if idle is not None:
             self._idle = None
             idle.set()
 
-    def remove(self, sig: Signal) -> None:
+    def remove(self, sig: ParkingLot) -> None:
         self.watched.pop(sig, None)
 
-    def time(self, waiter: Waiter, sig: Signal, limit: float) -> None:
+    def time(self, waiter: Waiter, sig: ParkingLot, limit: float) -> None:
         """Time ``waiter`` (parked on ``sig``) against the hang ``limit`` from now."""
         now = self._clock.current_time()
         self.timed[waiter] = _Limit(sig, sig._value.value, now + limit, limit)
@@ -132,7 +132,7 @@ class _Limit:
 
     __slots__ = ("deadline", "limit", "seen", "signal")
 
-    def __init__(self, signal: Signal, seen: int, deadline: float, limit: float) -> None:
+    def __init__(self, signal: ParkingLot, seen: int, deadline: float, limit: float) -> None:
         self.signal, self.seen, self.deadline, self.limit = signal, seen, deadline, limit
 
 

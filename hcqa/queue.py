@@ -33,10 +33,11 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
+from hcqa._parking import _check_target
 from hcqa._patch import CommandSlot
 from hcqa.devices.buffer import Buffer
 from hcqa.errors import InvalidCommand, QueueFull
-from hcqa.signals import Fence, Signal, _check_target
+from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve, variables_of
 
 if TYPE_CHECKING:

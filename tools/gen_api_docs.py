@@ -33,9 +33,19 @@ def _signature(name: str, obj: Any) -> str:
         return name
 
 
+def _own_and_inherited(cls: type) -> dict[str, Any]:
+    """The class's attributes, then those it inherits from hcqa's own (mixin) bases."""
+    found: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "hcqa":
+            for name, member in vars(klass).items():
+                found.setdefault(name, member)
+    return found
+
+
 def _members(cls: type) -> list[tuple[str, Any]]:
     out = []
-    for name, member in vars(cls).items():
+    for name, member in _own_and_inherited(cls).items():
         if name.startswith("_") and name not in ("__call__", "__await__"):
             continue
         if isinstance(member, (staticmethod, classmethod)):
