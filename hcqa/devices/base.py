@@ -17,7 +17,7 @@ which runs on the caller's task and never blocks:
 
 Errors are sticky: the first fault (a kernel or copy raising in an engine, or a
 Wait that broke) is stored in ``_error`` and breaks the device's signals with
-that instance; later enqueues raise it, later waits raise it.
+that instance; later enqueues raise it, later waits raise it (``faults.py``).
 """
 
 from __future__ import annotations
@@ -40,17 +40,16 @@ from hcqa._capture import current_capture
 from hcqa.actors import Engine, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
+from hcqa.devices.faults import Faults
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
     DeviceClosed,
-    DeviceFault,
     HcqaError,
     InvalidCommand,
     QueueFull,
-    SignalTimeout,
 )
 from hcqa.signals import Fence, Signal
 
@@ -74,7 +73,7 @@ class DeviceStatistics:
     closed: bool
 
 
-class Device:
+class Device(Faults):
     """Base class of the devices (``cpu:N``, ``cuda:N``)."""
 
     kind: ClassVar[str] = "?"
@@ -277,68 +276,6 @@ class Device:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("faulted" if self._error else "open")
         return f"<{type(self).__name__} {self.name} {state}>"
-
-    # -- errors ------------------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._closed or self._closing:
-            raise DeviceClosed(f"{self.name} is closed")
-        if self._error is not None:
-            self._raise_error()
-
-    def _raise_error(self) -> None:
-        err = self._error
-        assert err is not None
-        if isinstance(err, HcqaError):
-            err.observed = True
-        raise err
-
-    def _fault(self, exc: BaseException) -> None:
-        """Make ``exc`` the device's sticky error and break its signals with it (any thread)."""
-        with self._error_lock:
-            if self._error is not None:
-                return
-            self._error = exc
-        for actor in self._queues.values():
-            actor.engine.error = exc
-        for s in (*self._timeline.signals, self.compute.signal, self.copy.signal):
-            s._break(exc)
-
-    def _on_engine_fault(self, kind: str, command: Any, exc: BaseException) -> None:
-        what = _describe(command)
-        fault = DeviceFault(
-            f"{self.name}: {what} failed on the {kind} queue: {type(exc).__name__}: {exc}",
-            device=self.name,
-            queue=kind,
-        )
-        fault.__cause__ = exc
-        self._fault(fault)
-
-    def _hang(self, exc: BaseException) -> None:
-        """A SignalTimeout reached a caller: the device is hung. Its message gains the
-        queues that are behind, so the error says where the device is stuck."""
-        behind = [(a, a.signal.value) for a in self._queues.values()]
-        behind = [(a, done) for a, done in behind if done < a.value]
-        if behind and isinstance(exc, SignalTimeout) and exc.args:
-            stuck = ", ".join(f"{a.name} queue at {done} of {a.value}" for a, done in behind)
-            exc.args = (f"{exc.args[0]}; stuck: {stuck}", *exc.args[1:])
-            exc.queue = behind[0][0].name
-        self._hung = True
-        self._fault(exc)
-
-    def _hung_at_close(self, actor: QueueActor) -> None:
-        """Closing found ``actor``'s engine stuck (no progress for the hang limit)."""
-        self._hung = True
-        stuck = actor.signal.value
-        self._fault(
-            SignalTimeout(
-                f"{actor.name} queue: no progress for the hang limit of {self.hang_limit:g} s "
-                f"while closing (at {stuck} of {actor.value}): a kernel or copy is stuck",
-                signal=actor.signal.name,
-                expected=actor.value,
-                seen=stuck,
-            )
-        )
 
     def _engine(self, kind: str) -> Engine:
         return Engine(
@@ -543,18 +480,3 @@ def _file_kind(st: os.stat_result) -> str:
         if test(st.st_mode):
             return kind
     return "not a regular file"
-
-
-def _describe(command: Any) -> str:
-    if command is None:
-        return "the engine thread"
-    if isinstance(command, cmd.Exec):
-        return f"program {command.program.name!r}"
-    if isinstance(command, cmd.Copy):
-        return f"copy of {command.nbytes} bytes"
-    if isinstance(command, cmd.Load):
-        return f"load of {command.path!r}"
-    names = getattr(command, "names", None)
-    if names is not None:
-        return f"native run of {', '.join(map(repr, names))}"
-    return type(command).__name__
