@@ -262,12 +262,16 @@ QUICK = Plan(
 
 
 async def launch_section(
-    d0: hcqa.Device, peer: Any, plan: Plan
+    d0: hcqa.Device, d_engine: hcqa.Device, peer: Any, plan: Plan
 ) -> tuple[list[list[str]], list[str]]:
+    """``d_engine`` is opened with ``inline_kernels=False``: its launches always take the
+    engine thread (the path a first call, a busy queue or a long kernel takes)."""
     buf = d0.alloc(64)
     arr = np.zeros(64, np.uint8)
     py = d0.program("noop", noop)
     c = d0.program("noop", NOOP_C)
+    ebuf = d_engine.alloc(64)
+    ec = d_engine.program("noop", NOOP_C)
     assert c.kernel is not None
     cfn, addr = c.kernel.fn, buf.va_addr
     to_thread = trio.to_thread.run_sync
@@ -284,12 +288,16 @@ async def launch_section(
     async def thread_c() -> None:
         await to_thread(cfn, addr)
 
+    async def hcqa_c_engine() -> None:
+        await ec(ebuf)
+
     floor = EventfdFloor(cfn, addr)
     ops: dict[str, AsyncOp] = {
         "hcqa py": hcqa_py,
         "to_thread py": thread_py,
         "hcqa c": hcqa_c,
         "to_thread c": thread_c,
+        "hcqa c engine": hcqa_c_engine,
         "floor": floor.launch,
     }
     if peer is not None:
@@ -300,6 +308,7 @@ async def launch_section(
         floor.close()
     pf_c = paired_ratio(s["hcqa c"], s["floor"])
     pf_py = paired_ratio(s["hcqa py"], s["floor"])
+    pf_ce = paired_ratio(s["hcqa c engine"], s["floor"])
     r_py = s["hcqa py"].p50 / s["to_thread py"].p50
     r_c = s["hcqa c"].p50 / s["to_thread c"].p50
     rm_py = s["hcqa py"].mean / s["to_thread py"].mean
@@ -316,6 +325,8 @@ async def launch_section(
          f"{fmt_ratio(r_c)} to_thread (mean {fmt_ratio(rm_c)}, paired {fmt_ratio(pr_c)})"],
         [sec, "C no-op, `await trio.to_thread.run_sync(cfn, addr)`",
          *_lat(s["to_thread c"]), "ref"],
+        [sec, "C no-op, hcqa through the engine thread (`inline_kernels=False`)",
+         *_lat(s["hcqa c engine"]), f"{fmt_ratio(pf_ce)} the floor (paired)"],
         [sec, "floor: eventfd-woken thread runs the C no-op, eventfd wakes the task",
          *_lat(s["floor"]), f"ref; hcqa C {fmt_ratio(pf_c)}, Python {fmt_ratio(pf_py)} (paired)"],
     ]  # fmt: skip
@@ -328,6 +339,9 @@ async def launch_section(
                 f"{fmt_ns(s['to_thread c'].p50)}; per-round paired ratio {fmt_ratio(pr_c)}"),
         verdict("1c launch+await C kernel <= 2.0x the eventfd floor (paired)", pf_c <= 2.0,
                 f"{fmt_ratio(pf_c)}: {fmt_ns(s['hcqa c'].p50)} vs {fmt_ns(s['floor'].p50)}"),
+        info("1e C launch+await through the engine thread (inline_kernels=False) vs the floor",
+             f"{fmt_ratio(pf_ce)} paired: {fmt_ns(s['hcqa c engine'].p50)} vs "
+             f"{fmt_ns(s['floor'].p50)}"),
     ]  # fmt: skip
     if peer is not None:
         tg = s["tinygrad"]
@@ -573,9 +587,12 @@ async def main(quick: bool) -> None:
     rows: list[list[str]] = []
     lines: list[str] = []
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-        async with hcqa.open_device("cpu:2", host_visible=False) as d2:
+        async with (
+            hcqa.open_device("cpu:2", host_visible=False) as d2,
+            hcqa.open_device("cpu:3", inline_kernels=False) as d3,
+        ):
             for part in (
-                await launch_section(d0, peer, plan),
+                await launch_section(d0, d3, peer, plan),
                 await commands_section(d0, plan),
                 await copy_section(d0, d1, d2, peer, plan),
             ):
