@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from hcqa import _aio_wait
-from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX, watch
+from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX, Rereader, watch
 from hcqa._waiters import DONE, OWN, State, Waiter
 from hcqa.errors import HcqaError, InvalidCommand, SignalTimeout
 
@@ -214,18 +214,7 @@ class ParkingLot:
                     break
                 yielded = True
                 if owner:  # an owner stays one until it leaves: drain until done
-                    rereads = self._rereads
-                    if rereads:
-                        rereader.add(self)  # memory-only writes reach the eventfd through it
-                    try:
-                        while True:
-                            await trio.lowlevel.wait_readable(self._fd)
-                            self._drain()
-                            if self._outcome(target) or waiter.expired:
-                                break
-                    finally:
-                        if rereads:
-                            rereader.remove(self)
+                    await self._own(target, waiter, rereader if self._rereads else None)
                     break
                 waiter.parked = True
                 try:
@@ -267,25 +256,34 @@ class ParkingLot:
         if not owner:  # a thread took it in between
             await self._wait_limited(target, None, "")
             return
-        rereader = None
-        if self._rereads:
-            rereader = watch()
-            rereader.add(self)  # memory-only writes reach the eventfd through it
         yielded = False
         try:
-            fd, value = self._fd, self._value  # the slot stays ours while we are listed
-            while value.value < target and self._broken is None:
+            if not self._outcome(target):  # listed first, then the value read again
                 yielded = True
-                await trio.lowlevel.wait_readable(fd)  # a checkpoint: cancels land here
-                self._drain()
+                await self._own(target, waiter, watch() if self._rereads else None)
         finally:
-            if rereader is not None:
-                rereader.remove(self)
             self._unregister(waiter)
         if not yielded:  # reached (or broken) before any sleep: still schedule
             await trio.lowlevel.cancel_shielded_checkpoint()
         if self.value < target:
             self._raise_broken()
+
+    async def _own(self, target: int, waiter: Waiter, rereader: Rereader | None) -> None:
+        """The owner's sleep, shared by :meth:`_park` and :meth:`_wait_sole`: the caller
+        owns the eventfd and found the wait not over; sleep on the eventfd and drain it
+        until the wait is reached, broken or expired. With ``rereader``, memory-only
+        writes reach the eventfd through it (``_rereads``)."""
+        if rereader is not None:
+            rereader.add(self)
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self._fd)  # a checkpoint: cancels land here
+                self._drain()
+                if self._outcome(target) or waiter.expired:
+                    return
+        finally:
+            if rereader is not None:
+                rereader.remove(self)
 
     def _aborter(self, waiter: Waiter) -> Callable[[Any], trio.lowlevel.Abort]:
         """The abort callback of a parked trio waiter (made only when one parks: the
