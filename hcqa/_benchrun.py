@@ -34,9 +34,25 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["BENCHES", "Outcome", "Verdict", "indicative", "run_benches", "verdicts"]
+__all__ = [
+    "BENCHES",
+    "Outcome",
+    "Verdict",
+    "find_checkout",
+    "indicative",
+    "run_benches",
+    "verdicts",
+]
 
-BENCHES = ("bench_signals", "bench_devices", "bench_graph", "bench_pipeline", "bench_workers")
+# What ``hcqa bench`` runs, in this order, when no names are given: one module of bench/ a line.
+# To add a benchmark, add its line; it must accept --quick and print verdicts (see above).
+BENCHES: tuple[str, ...] = (
+    "bench_signals",
+    "bench_devices",
+    "bench_graph",
+    "bench_pipeline",
+    "bench_workers",
+)
 STATES = ("met", "MISSED", "skipped", "n/a")
 
 
@@ -95,6 +111,20 @@ def verdicts(lines: Sequence[str]) -> list[Verdict]:
             target = f"{before} {after}" if after.startswith("(") else before
         out.append(Verdict(target=_clean(target), state=m["state"]))
     return out
+
+
+def _is_checkout(root: Path) -> bool:
+    return (root / "bench" / "__init__.py").is_file() and (root / "pyproject.toml").is_file()
+
+
+def find_checkout(cwd: Path | None = None) -> Path | None:
+    """The repository checkout whose ``bench/`` to run, or None: the one hcqa is imported from
+    (an editable install), else the working directory or the nearest parent that is one."""
+    import hcqa
+
+    here = (cwd if cwd is not None else Path.cwd()).resolve()
+    candidates = [Path(hcqa.__file__).resolve().parent.parent, here, *here.parents]
+    return next((root for root in candidates if _is_checkout(root)), None)
 
 
 def indicative(state: str) -> str:

@@ -173,3 +173,55 @@ def test_the_runner_runs_a_benchmark_and_keeps_its_report(tmp_path: Path) -> Non
     assert o.returncode == 0 and folder == tmp_path / "reports"
     assert [(v.target, v.state) for v in o.verdicts] == [("speed >= 1x the floor (1.5x)", "met")]
     assert o.report.read_text().startswith("# fake ['--quick']\n")
+
+
+def _hcqa_script() -> str:
+    """The ``hcqa`` command installed beside this interpreter, as a user's shell finds it."""
+    script = Path(sys.executable).with_name("hcqa")
+    assert script.is_file(), f"the hcqa console script is not installed ({script})"
+    return str(script)
+
+
+def test_hcqa_bench_runs_from_any_directory_as_users_run_it(tmp_path: Path) -> None:
+    # The command found the wrong folder once (one level off), in every checkout: run it as a
+    # user does, from another directory, and see a real benchmark run and its verdict printed.
+    proc = subprocess.run(
+        [_hcqa_script(), "bench", "--quick", "--no-progress", "pipeline"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "1 benchmark(s), quick runs (indicative only): bench_pipeline" in out
+    assert "S_hcqa / S_ctrl" in out and "indicative (" in out, out
+    assert "FAILED" not in out
+
+
+def test_hcqa_bench_outside_a_checkout_says_how_to_get_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import hcqa
+
+    # hcqa installed from a wheel (site-packages has no bench/), run from a folder that is not
+    # a checkout either.
+    site = tmp_path / "site-packages" / "hcqa"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(hcqa, "__file__", str(site / "__init__.py"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["bench", "pipeline"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e ." in err and "inside one" in err
+
+    # ... and from inside a checkout (a subfolder of it), that checkout is the one run.
+    checkout = tmp_path / "checkout"
+    (checkout / "bench").mkdir(parents=True)
+    (checkout / "bench" / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'hcqa'\n")
+    (checkout / "docs").mkdir()
+    assert _benchrun.find_checkout(checkout / "docs") == checkout
+    assert _benchrun.find_checkout(elsewhere) is None

@@ -495,4 +495,5 @@ def test_demo_bad_option_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
 def test_bench_unknown_name_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hcqa: error: ") and err.count("\n") == 1
+    assert err.startswith("hcqa: error: unknown benchmark 'nope' (known: bench_signals")
+    assert err.count("\n") == 1

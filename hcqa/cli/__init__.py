@@ -152,11 +152,14 @@ def _run_bench(args: argparse.Namespace) -> int:
     target's verdict. Exit 1 when a full run missed a target or a benchmark failed."""
     from pathlib import Path
 
-    from hcqa._benchrun import BENCHES, run_benches, summary
+    from hcqa._benchrun import BENCHES, find_checkout, run_benches, summary
 
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "bench").is_dir():
-        raise CliError(f"hcqa bench needs the repository checkout (no bench/ in {root})")
+    root = find_checkout()
+    if root is None:
+        raise CliError(
+            "hcqa bench runs the benchmarks of a repository checkout (its bench/ folder): "
+            "install hcqa from one with pip install -e . or run hcqa bench inside one"
+        )
     unknown = [n for n in args.names if n not in BENCHES and f"bench_{n}" not in BENCHES]
     if unknown:
         raise CliError(f"unknown benchmark {unknown[0]!r} (known: {', '.join(BENCHES)})")
