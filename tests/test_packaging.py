@@ -25,7 +25,16 @@ def _names(requirements: list[str]) -> set[str]:
 
 # Subpackages that are an optional extra: their imports may come from that extra, and
 # nothing outside them may import them at module level (the core imports without it).
-EXTRA_PACKAGES = {"ray": "ray", "serve": "serve"}  # hcqa/ray/ -> the [ray] extra, ...
+EXTRA_PACKAGES = {"ray": "ray", "serve": "serve", "devices/opencl": "opencl"}  # hcqa/ray/ -> [ray]
+
+
+def _extra_of(path: Path) -> str | None:
+    """The extra whose subpackage holds ``path`` (None: the core)."""
+    rel = path.relative_to(ROOT / "hcqa").as_posix()
+    for package, extra in EXTRA_PACKAGES.items():
+        if rel.startswith(package + "/"):
+            return extra
+    return None
 
 
 def _module_level_imports(extra: str | None = None) -> set[str]:
@@ -33,8 +42,7 @@ def _module_level_imports(extra: str | None = None) -> set[str]:
     the extras' subpackages, or (``extra``) inside that extra's subpackage."""
     found = set()
     for path in (ROOT / "hcqa").rglob("*.py"):
-        part = path.relative_to(ROOT / "hcqa").parts[0]
-        if EXTRA_PACKAGES.get(part) != extra:
+        if _extra_of(path) != extra:
             continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Import):
@@ -67,6 +75,15 @@ def test_the_core_imports_without_the_extras() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     modules = set(ast.literal_eval(out.stdout))
     assert {"ray", "hcqa.ray", "starlette", "prometheus_client", "hcqa.serve"} & modules == set()
+    assert {"pyopencl", "hcqa.devices.opencl"} & modules == set()  # opened on first use only
+
+
+def test_opencl_is_an_extra_that_ci_installs() -> None:
+    extras = PROJECT["optional-dependencies"]
+    opencl = {"pyopencl", "pocl-binary-distribution"}
+    assert opencl & _names(PROJECT["dependencies"]) == set()
+    assert opencl <= _names(extras["opencl"])
+    assert opencl <= _names(extras["test"])  # CI installs only .[test]: every OpenCL test runs
 
 
 def test_demo_only_dependencies_are_an_extra() -> None:

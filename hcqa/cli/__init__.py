@@ -33,6 +33,7 @@ from hcqa.cli._base import (
     _version,
     run_trio,
 )
+from hcqa.cli._opencl import opencl_rows
 from hcqa.cli.serve import configure_serve, run_serve
 
 __all__ = ["COMMANDS", "CliError", "Command", "main", "run_trio"]
@@ -112,6 +113,7 @@ def _run_info(args: argparse.Namespace) -> int:
         ("cc", _compiler()),
         ("devices", f"cpu:N (any N; {os.cpu_count() or 1} cores)"),
         ("cuda", _cuda()),
+        *opencl_rows(),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
