@@ -53,7 +53,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa import aio
-from hcqa.devices.buffer import check_int
+from hcqa.devices.buffer import check_int, check_sample
 from hcqa.errors import DeviceClosed, InvalidCommand, QueueFull
 
 __all__ = ["Batcher", "BatcherStatistics", "open_batcher"]
@@ -131,12 +131,7 @@ class Batcher:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
         if aio.asyncio_caller():
             return await aio.call(self.__call__, sample)
-        arr = np.asarray(sample)
-        if arr.shape != self.sample_shape or arr.dtype != self.dtype:
-            raise InvalidCommand(
-                f"a sample must be {self.dtype}{list(self.sample_shape)} "
-                f"(got {arr.dtype}{list(arr.shape)})"
-            )
+        arr = check_sample("a sample", sample, self.sample_shape, self.dtype)
         if self._closed:
             raise DeviceClosed("the batcher is closed")
         if self.max_pending is not None and len(self._pending) >= self.max_pending:

@@ -48,7 +48,7 @@ import trio
 
 from hcqa import aio
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype
+from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype, check_sample
 from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -286,12 +286,7 @@ class Pipeline:
 
 def check_input(x: npt.ArrayLike, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """``x`` as an array, if it is a pipeline input of ``shape`` and ``dtype``."""
-    arr = np.asarray(x)
-    if arr.shape != shape or arr.dtype != dtype:
-        raise InvalidCommand(
-            f"pipeline input must be {dtype}{list(shape)} (got {arr.dtype}{list(arr.shape)})"
-        )
-    return arr
+    return check_sample("pipeline input", x, shape, dtype)
 
 
 def _dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:

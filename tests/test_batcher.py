@@ -358,16 +358,17 @@ async def test_bad_settings_are_refused(
 async def test_bad_samples_are_refused_before_anything_is_queued() -> None:
     target = Recorder()
     async with opened(target) as batch:
+        fix = "; convert it with np.asarray(x, dtype=np.float32)"
         for bad, got in [
-            (np.zeros(4, np.float32), "float32[4]"),
-            (np.zeros(3, np.float64), "float64[3]"),
-            ([1.0, 2.0, 3.0], "float64[3]"),
-            (np.array([None, 1, 2], dtype=object), "object[3]"),
-            ("abc", "<U3[]"),
+            (np.zeros(4, np.float32), "float32[4])"),
+            (np.zeros(3, np.float64), f"float64[3]){fix}"),
+            ([1.0, 2.0, 3.0], f"float64[3] from a Python list){fix}"),
+            (np.array([None, 1, 2], dtype=object), f"object[3]){fix}"),
+            ("abc", f"<U3[]){fix}"),
         ]:
             with pytest.raises(hcqa.InvalidCommand) as info:
                 await batch(bad)
-            assert str(info.value) == f"a sample must be float32[3] (got {got})"
+            assert str(info.value) == f"a sample must be float32[3] (got {got}"
         assert batch.statistics().pending == 0
     assert target.batches == []
 

@@ -81,6 +81,32 @@ def check_plain_dtype(what: str, dt: np.dtype[Any]) -> None:
         raise InvalidCommand(f"{what} must be a fixed-size dtype (got {dt}, of 0 bytes)")
 
 
+def check_sample(
+    what: str, x: object, shape: tuple[int, ...], dtype: np.dtype[Any]
+) -> npt.NDArray[Any]:
+    """``x`` as an array, if it is ``dtype`` of ``shape``; else an ``InvalidCommand`` that says
+    what was expected, what was seen, and how to convert it (a Python list of floats becomes
+    float64, of ints int64: ``np.asarray(x, dtype=...)`` makes the dtype expected)."""
+    arr = np.asarray(x)
+    if arr.shape == shape and arr.dtype == dtype:
+        return arr
+    got = f"{arr.dtype}{list(arr.shape)}"
+    if isinstance(x, (list, tuple)):
+        got += f" from a Python {type(x).__name__}"
+    message = f"{what} must be {dtype}{list(shape)} (got {got})"
+    if arr.dtype != dtype:
+        message += f"; convert it with np.asarray(x, dtype={dtype_expr(dtype)})"
+    raise InvalidCommand(message)
+
+
+def dtype_expr(dtype: np.dtype[Any]) -> str:
+    """How to write ``dtype`` in Python: ``np.float32``, or its string where numpy has no name."""
+    named = getattr(np, dtype.name, None)
+    if named is dtype.type and np.dtype(named) == dtype:
+        return f"np.{dtype.name}"
+    return repr(str(dtype))
+
+
 class Hazards:
     """The last write and the reads since, per queue, of one allocation."""
 
@@ -357,7 +383,12 @@ def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
         arr = obj
         check_plain_dtype(f"{what}: the host array's dtype", arr.dtype)
         if buf.dtype is not None and arr.dtype != buf.dtype:
-            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype})")
+            how = (
+                f"np.empty({buf.shape}, dtype={dtype_expr(buf.dtype)})"
+                if writable
+                else f"np.asarray(x, dtype={dtype_expr(buf.dtype)})"
+            )
+            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype}); pass {how}")
         if writable:
             if not arr.flags.c_contiguous or not arr.flags.writeable:
                 raise InvalidCommand(
