@@ -52,6 +52,7 @@ BENCHES: tuple[str, ...] = (
     "bench_graph",
     "bench_pipeline",
     "bench_workers",
+    "bench_opencl",
 )
 STATES = ("met", "MISSED", "skipped", "n/a")
 
