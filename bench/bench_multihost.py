@@ -510,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plan", choices=tuple(PLANS), default="full", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if importlib.util.find_spec("ray") is None:
-        print("bench_multihost needs Ray: pip install 'hcqa[ray]'")
+        print("bench_multihost needs Ray: pip install -e '.[ray]'")
         return 1
     if args.child:
         child_main(args.child, PLANS[args.plan])

@@ -344,7 +344,7 @@ async def main(quick: bool, with_ray: bool, sleep_ms: float) -> None:
             server.stop()
     if with_ray:
         if importlib.util.find_spec("ray") is None:
-            missing = "Ray Serve: not installed (pip install 'hcqa[bench]'): its targets skipped"
+            missing = "Ray Serve: not installed (pip install -e '.[bench]'): its targets skipped"
         else:
             try:
                 server = ray_server(sleep_ms)

@@ -6,7 +6,7 @@ pipeline from its asyncio task; hcqa hosts its queue actors in a trio guest run 
 uvicorn's own loop (see docs/asyncio.md), so the kernels run in the devices' engine
 threads while the loop keeps serving.
 
-    pip install 'hcqa[asyncio]'
+    pip install -e '.[asyncio]'
     python examples/fastapi_app.py --port 8000      # or: uvicorn fastapi_app:app
     curl -s localhost:8000/health
     python -c 'import numpy as np, sys; sys.stdout.buffer.write(

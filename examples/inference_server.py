@@ -7,7 +7,7 @@ batched dynamically (``hcqa.open_batcher``) into the pipeline's batches of ``BAT
 while ``GET /health`` and ``GET /metrics`` keep answering at once. SIGTERM or Ctrl-C drains:
 the server stops accepting, finishes the requests in flight, and the script exits 0.
 
-    pip install 'hcqa[serve]'
+    pip install -e '.[serve]'
     python examples/inference_server.py            # serves on http://127.0.0.1:8000
 
     curl -s localhost:8000/health

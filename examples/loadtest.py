@@ -12,7 +12,7 @@ because the kernels run in engine threads and every request just awaits a fence.
                                                   # as an accelerator's do
     python examples/loadtest.py --connect 8000    # load a running `hcqa serve`
 
-The client is httpx (``pip install 'hcqa[loadtest]'``), HTTP/1.1 keep-alive, one connection
+The client is httpx (``pip install -e '.[loadtest]'``), HTTP/1.1 keep-alive, one connection
 per client. Requests go only to loopback, bounded in count and time.
 """
 

@@ -12,7 +12,7 @@ add and the ReLU in place, so it allocates nothing per call. A second, one-stage
 every layer on ``cpu:0``: the sequential single-device baseline for the same work, at the same
 depth, so the only difference is the number of devices.
 
-BLAS is held to one thread (``threadpoolctl.threadpool_limits(1)``, the extra ``hcqa[demo]``;
+BLAS is held to one thread (``threadpoolctl.threadpool_limits(1)``, the ``demo`` extra;
 without it the demo says so) for the whole run, so the
 devices -- each with its own engine thread -- are the unit of parallelism, and two stages on
 two devices can approach 2x the sequential throughput on two cores.
@@ -72,6 +72,7 @@ from hcqa._mlp import (
     run_threads,
     save_weights,
 )
+from hcqa.errors import install_hint
 
 __all__ = [
     "F32",
@@ -130,7 +131,7 @@ def verdict(
         why = f"only {cores} core is available to this process, so the two stages cannot overlap"
     elif not blas_limited:
         why = (
-            "BLAS threads are not limited (pip install 'hcqa[demo]'), so the 1-device run "
+            f"BLAS threads are not limited ({install_hint('demo')}), so the 1-device run "
             "already used several cores"
         )
     elif load is not None and load > cores:
@@ -214,7 +215,7 @@ def _one_blas_thread() -> tuple[Callable[[], contextlib.AbstractContextManager[o
     A factory, not one context: threadpoolctl applies its limit when the object is made and
     lifts it on the first exit, so entering the same object twice would run the second block
     -- the check against numpy -- with BLAS unlimited, whose sums differ in the last bit.
-    threadpoolctl is the optional extra ``hcqa[demo]``; without it BLAS keeps its own pool,
+    threadpoolctl is the optional ``demo`` extra; without it BLAS keeps its own pool,
     which competes with the devices for the cores, and the demo says so."""
     try:
         from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         blas_note = (
             "BLAS limited to 1 thread per device"
             if blas_limited
-            else "BLAS threads NOT limited (pip install 'hcqa[demo]' adds threadpoolctl)"
+            else f"BLAS threads NOT limited ({install_hint('demo')} adds threadpoolctl)"
         )
         out.write(
             f"  pipeline: {timed.pipe_desc}: {where[0]} runs layers 1-{half}, {where[1]} layers "

@@ -19,7 +19,14 @@ __all__ = [
     "OutOfMemory",
     "QueueFull",
     "SignalTimeout",
+    "install_hint",
 ]
+
+
+def install_hint(extra: str) -> str:
+    """How to add an optional extra, for messages: hcqa is installed from its repository
+    checkout (it is on no package index), so from there: ``pip install -e '.[serve]'``."""
+    return f"pip install -e '.[{extra}]' in the hcqa checkout"
 
 
 class HcqaError(Exception):

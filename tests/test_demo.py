@@ -82,7 +82,7 @@ def test_without_threadpoolctl_the_demo_runs_and_says_so(
 ) -> None:
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)
     out = _run(["--no-trace", "--workdir", str(tmp_path)], capsys)
-    assert "BLAS threads NOT limited (pip install 'hcqa[demo]'" in out and ": ok" in out
+    assert "BLAS threads NOT limited (pip install -e '.[demo]'" in out and ": ok" in out
 
 
 def test_processes_mode_is_honest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -101,3 +101,44 @@ def test_license_and_authors_are_declared() -> None:
     assert PROJECT["authors"]
     meta = importlib.metadata.metadata("hcqa")
     assert "MIT" in (meta.get("License-Expression") or meta.get("License") or "")
+
+
+# Where users read install lines: the docs, the examples, docstrings, messages, the benchmarks.
+_TEXT_DIRS = ("docs", "examples", "hcqa", "bench", "tools", "tests", ".ci")
+_INDEX_INSTALL = re.compile(r"""pip install\s+(-U\s+)?['"]?hcqa\b|hcqa\[""")
+_CHECKOUT_INSTALL = re.compile(r"""pip install -e ['"]?\.\[([a-z0-9_,-]+)\]""")
+
+
+def _user_text() -> list[Path]:
+    files = [ROOT / "README.md"]
+    for folder in _TEXT_DIRS:
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.is_file() and (p.suffix in (".py", ".md", ".toml", ".txt") or p.name == "run")
+        ]
+    return files
+
+
+def test_install_lines_work_from_a_checkout() -> None:
+    # hcqa is on no package index: installing it by name fails in a fresh venv. Every
+    # install line must be the checkout's (`pip install -e '.[serve]'`), naming a real extra.
+    extras = set(PROJECT["optional-dependencies"])
+    index_lines: list[str] = []
+    unknown: list[str] = []
+    for path in _user_text():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+            if _INDEX_INSTALL.search(line):
+                index_lines.append(where)
+            for m in _CHECKOUT_INSTALL.finditer(line):
+                unknown += [f"{where} ({e})" for e in m[1].split(",") if e not in extras]
+    assert index_lines == [], "install lines that need a package index:\n" + "\n".join(index_lines)
+    assert unknown == [], "install lines naming no extra of pyproject.toml:\n" + "\n".join(unknown)
+
+
+def test_messages_name_the_checkout_install() -> None:
+    from hcqa.errors import install_hint
+
+    assert install_hint("plot") == "pip install -e '.[plot]' in the hcqa checkout"
+    assert _CHECKOUT_INSTALL.search(install_hint("serve"))

@@ -1,6 +1,6 @@
 """Ray pipelines (hcqa.ray) on a local three-node Ray cluster on this one machine.
 
-Skipped when ``ray`` is not installed (it is the optional extra ``hcqa[ray]``). One
+Skipped when ``ray`` is not installed (it is the optional ``ray`` extra). One
 cluster for the module (a head node with resource ``head``, nodes with ``b`` and
 ``c``); the killed-node test adds and removes a node of its own. Cost on a 2-core host:
 ~15 s for the cluster, ~1-3 s per pipeline opened (an actor per remote segment, a
@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-ray = pytest.importorskip("ray", reason="Ray is the optional extra hcqa[ray]; not installed")
+ray = pytest.importorskip("ray", reason="Ray (the optional ray extra) is not installed")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 

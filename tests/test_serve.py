@@ -368,7 +368,7 @@ async def test_missing_hypercorn_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "hypercorn", None)
     async with hcqa.open_device("cpu:0") as d:
         pipe = hcqa.Pipeline([(d, double)], in_shape=(2,))
-        with pytest.raises(ImportError, match=r"pip install 'hcqa\[serve\]'"):
+        with pytest.raises(ImportError, match=r"pip install -e '\.\[serve\]'"):
             await serve(pipe, port=0)
 
 

@@ -280,7 +280,7 @@ def test_cli_plot_without_matplotlib(
     path, _, _ = traced
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert cli.main(["trace", "plot", str(path), "-o", str(tmp_path / "x.png")]) == 2
-    assert "pip install 'hcqa[plot]'" in capsys.readouterr().err
+    assert "pip install -e '.[plot]'" in capsys.readouterr().err
 
 
 def test_hcqa_trace_env(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:

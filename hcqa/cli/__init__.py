@@ -35,6 +35,7 @@ from hcqa.cli._base import (
 )
 from hcqa.cli._opencl import opencl_rows
 from hcqa.cli.serve import configure_serve, run_serve
+from hcqa.errors import install_hint
 
 __all__ = ["COMMANDS", "CliError", "Command", "main", "run_trio"]
 
@@ -80,7 +81,7 @@ def _cuda() -> str:
     try:
         driver: Any = importlib.import_module("cuda.bindings.driver")
     except ImportError:
-        return "not installed (pip install 'hcqa[cuda]')"
+        return "not installed (NVIDIA's cuda-bindings)"
     try:
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:
@@ -223,7 +224,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise CliError("trace plot needs matplotlib: pip install 'hcqa[plot]'") from None
+        raise CliError(f"trace plot needs matplotlib: {install_hint('plot')}") from None
     out = args.output or f"{os.path.splitext(args.file)[0]}.png"
     info = trace.plot(
         doc, out, flows=args.flows, max_flows=args.max_flows, max_tasks=args.max_tasks

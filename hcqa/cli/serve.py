@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from hcqa.cli._base import PROG, CliError, _out, run_trio
+from hcqa.errors import install_hint
 
 __all__ = ["configure_serve", "run_serve"]
 
@@ -106,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     for module in ("hypercorn", "starlette", "prometheus_client"):
         if importlib.util.find_spec(module) is None:
-            raise CliError(f"hcqa serve needs {module}: pip install 'hcqa[serve]'")
+            raise CliError(f"hcqa serve needs {module}: {install_hint('serve')}")
     import trio
 
     import hcqa

@@ -68,7 +68,7 @@ def _make(spec: object, options: dict[str, Any]) -> Device:
         except ImportError as exc:
             raise InvalidCommand(
                 f"{name}: this hcqa has no CUDA device yet (only cpu:N); one is planned on "
-                f"NVIDIA's cuda-bindings as the extra hcqa[cuda] ({exc})"
+                f"NVIDIA's cuda-bindings ({exc})"
             ) from exc
         return CudaDevice(name, **options)  # type: ignore[no-any-return, unused-ignore]
     from hcqa.devices.cpu import CpuDevice

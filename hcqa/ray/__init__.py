@@ -1,4 +1,5 @@
-"""Past one host: pipeline stages placed on Ray nodes (``pip install 'hcqa[ray]'``).
+"""Past one host: pipeline stages placed on Ray nodes (``pip install -e '.[ray]'``).
+
 
 Theory of operation
 -------------------
@@ -55,10 +56,12 @@ Cancellation and closing
 
 from __future__ import annotations
 
+from hcqa.errors import install_hint
+
 try:
     import ray as _ray  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("hcqa.ray needs Ray: pip install 'hcqa[ray]' (or pip install ray)") from exc
+    raise ImportError(f"hcqa.ray needs Ray: {install_hint('ray')}") from exc
 
 from hcqa.ray.opening import open_ray_pipeline
 from hcqa.ray.pipeline import RayPipeline, RayPipelineStatistics

@@ -45,13 +45,15 @@ imported on the first :func:`serve`.
 
 from __future__ import annotations
 
+from hcqa.errors import install_hint
+
 try:
     import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
         f"hcqa.serve needs starlette and prometheus-client: {exc.name} is "
-        "missing (pip install 'hcqa[serve]')"
+        f"missing ({install_hint('serve')})"
     ) from exc
 
 from hcqa.serve.app import make_app

@@ -29,7 +29,7 @@ import trio
 
 from hcqa.batcher import Batcher, open_batcher
 from hcqa.devices.base import Device
-from hcqa.errors import InvalidCommand, sole_error
+from hcqa.errors import InvalidCommand, install_hint, sole_error
 from hcqa.pipeline import Pipeline, Stage
 from hcqa.serve.app import make_app
 
@@ -68,7 +68,7 @@ async def serve(
         from hypercorn.config import Config
         from hypercorn.trio import serve as hypercorn_serve
     except ImportError as exc:
-        raise ImportError("hcqa.serve needs hypercorn: pip install 'hcqa[serve]'") from exc
+        raise ImportError(f"hcqa.serve needs hypercorn: {install_hint('serve')}") from exc
     if not (isinstance(grace_period, int | float) and 0 <= grace_period < math.inf):
         raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
     config = Config()

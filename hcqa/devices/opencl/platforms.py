@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from hcqa.errors import install_hint
+
 __all__ = [
     "POCL_THREADS",
     "ClDeviceInfo",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 POCL_THREADS = "POCL_MAX_PTHREAD_COUNT"
-INSTALL_HINT = "pip install 'hcqa[opencl]' (or pip install -e '.[opencl]' from a checkout)"
+INSTALL_HINT = install_hint("opencl")
 # The BLAS libraries numpy may be built on, and the variables each reads at import.
 BLAS_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
