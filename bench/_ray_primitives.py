@@ -270,7 +270,7 @@ def compiled_hops(ray: Any, n_small: int, n_big: int) -> list[Row]:
 
 
 def compiled_chain(ray: Any, n_small: int, n_big: int) -> list[Row]:
-    """The issue's peer in small: a 4-actor compiled chain, 2 on node_a then 2 on node_b
+    """The peer in small: a 4-actor compiled chain, 2 on node_a then 2 on node_b
     (``b2(b1(a2(a1(x))))``), sequential latency and items/s with 10 in flight."""
     InputNode: Any = importlib.import_module("ray.dag").InputNode
     cls = ray.remote(Echo)

@@ -1,4 +1,4 @@
-"""asyncio hosts (issue 15): hcqa awaited from asyncio vs trio natively vs ``asyncio.to_thread``.
+"""asyncio hosts: hcqa awaited from asyncio vs trio natively vs ``asyncio.to_thread``.
 
 Run from the repository root::
 

@@ -1,4 +1,4 @@
-"""Device benchmarks (issue 3): launch latency, command throughput, copies -- against floors
+"""Device benchmarks: launch latency, command throughput, copies -- against floors
 and the peer, measured side by side in one run.
 
 Run from the repository root::
@@ -11,7 +11,7 @@ a rotating order, so host-load drift hits all sides alike; ratios are what to qu
 
 1. launch + await of a tiny kernel -- a Python callable that does nothing to a 64-byte buffer,
    and a C no-op -- ``await prog(buf)`` vs ``await trio.to_thread.run_sync(same_fn, ...)``;
-   per-op p50 / mean (target: hcqa at most 1.0x of to_thread), and the floor (issue 18): a
+   per-op p50 / mean (target: hcqa at most 1.0x of to_thread), and the floor: a
    persistent thread woken by an eventfd runs the C no-op and wakes the task through another
    eventfd (targets, as medians of per-round ratios: hcqa C <= 2.0x the floor and <= 1.0x
    tinygrad's call + synchronize).

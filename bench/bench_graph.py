@@ -1,4 +1,4 @@
-"""Graph benchmarks (issue 4): replay of captured kernel chains vs eager launches, and vs
+"""Graph benchmarks: replay of captured kernel chains vs eager launches, and vs
 tinygrad 0.13's TinyJit on its CPU device, measured side by side in one run.
 
 Run from the repository root::
@@ -23,7 +23,7 @@ What is measured (all rows interleaved round by round in a rotating order; quote
    10 -> 100 (capturing 1000 takes tinygrad ~10 s; its ~10 µs per kernel dwarfs the noise).
    Target: hcqa's C replay of 100 ahead of its replay of 100.
 
-``python -m bench.bench_graph --patching [--quick]`` (issue 17) measures instead, interleaved
+``python -m bench.bench_graph --patching [--quick]`` measures instead, interleaved
 round by round in a rotating order, a 200-kernel C graph (``k(out, a, n)`` chained over 201
 buffers): replayed with constants; with one Variable in every launch whose value changes each
 replay; with that value unchanged; and the constant graph with two buffers (its input and its
@@ -272,7 +272,7 @@ PATCH_KERNELS = 200
 
 
 async def patching(quick: bool) -> None:
-    """Issue 17: symbolic and rebinding replays against the constant replay (see doc)."""
+    """Symbolic and rebinding replays against the constant replay (see doc)."""
     import statistics
 
     t_start = time.perf_counter()

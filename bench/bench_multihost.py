@@ -1,6 +1,6 @@
-"""Multi-host benchmark (issue 21): hcqa over Ray vs Ray Compiled Graphs, stages split 2 + 2.
+"""Multi-host benchmark: hcqa over Ray vs Ray Compiled Graphs, stages split 2 + 2.
 
-Run from the repository root, under the bench lock on a shared host::
+Run from the repository root (on a shared host, one benchmark at a time)::
 
     python -m bench.bench_multihost              # 3 rounds per side, interleaved (< 6 min)
     python -m bench.bench_multihost --quick      # 1 round per side, fewer items (< 2 min)

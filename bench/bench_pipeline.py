@@ -1,4 +1,4 @@
-"""Pipeline benchmark (issue 6): 2 stages on 2 cpu devices vs a 2-process numpy control.
+"""Pipeline benchmark: 2 stages on 2 cpu devices vs a 2-process numpy control.
 
 Run from the repository root::
 

@@ -1,4 +1,4 @@
-"""Serving single samples (issue 16): hcqa serve with dynamic batching, without it, Ray Serve.
+"""Serving single samples: hcqa serve with dynamic batching, without it, Ray Serve.
 
 Run from the repository root::
 

@@ -15,8 +15,8 @@ round-robin in one run (the order rotates every round) so host noise hits all al
 
 CPU: process CPU time (``time.process_time``, all threads) while one waiter waits for a
 value that does not come: hcqa ``await sig.wait``, hcqa ``wait_sync`` in a thread, and a
-thread spinning on ``while sig.value < 1: pass``. With the memory re-read backoff on (issue
-17) the first two include the owner's timer wakes; the full run's window is 10 s.
+thread spinning on ``while sig.value < 1: pass``. With the memory re-read backoff on
+the first two include the owner's timer wakes; the full run's window is 10 s.
 
 Memory-only producers: after an idle stretch, a thread writes the value word only (no
 eventfd, as a device or a forgetful C kernel would); how long until the waiter resumes.

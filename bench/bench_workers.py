@@ -1,4 +1,4 @@
-"""Process-pipeline benchmark (issue 9): hcqa's worker processes vs Ray Compiled Graphs.
+"""Process-pipeline benchmark: hcqa's worker processes vs Ray Compiled Graphs.
 
 Run from the repository root (the stage workers import ``bench._stages`` from there, given
 to them as ``path=[ROOT]``: workers never import from the working directory)::

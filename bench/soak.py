@@ -1,4 +1,4 @@
-"""Soak (issue 7): a pipeline, graph replays and transfers across two cpu devices at full load,
+"""Soak: a pipeline, graph replays and transfers across two cpu devices at full load,
 with resident memory, open fds and threads sampled as it goes: none of them may grow.
 
 Run from the repository root::

@@ -42,6 +42,29 @@ def test_every_public_name_is_in_the_api_reference() -> None:
     assert missing == []
 
 
+# The docs speak to users about the product: no development history (git log holds it), no
+# machinery of the development host, nothing a user's checkout lacks.
+_NOT_FOR_USERS = {
+    "an issue number": r"\bissues?\s*#?\d+|\(issue|issue's",
+    "the team": r"\bengineers?\b",
+    "the development host's lock or paths": r"\bflock\b|bench lock|/work/|/tmp/[a-z]+\d",
+    "a script not in the repository": r"not in the repository",
+    "a commit hash": r"\bmain [0-9a-f]{7}\b|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b",
+    "a development round": r"\b(?:since |in )?round \d's\b|\(round \d\)|\bround \d, ",
+    "what was taken out or landed": r"\bnot landed\b|\blanded\b|\bbefore issue\b|\bused to\b",
+}
+
+
+def test_the_docs_speak_of_the_product_not_its_history() -> None:
+    found = []
+    for path in [*DOCS, *sorted((ROOT / "examples").glob("*.py"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for what, pattern in _NOT_FOR_USERS.items():
+                if re.search(pattern, line, re.IGNORECASE):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {what}: {line.strip()}")
+    assert found == [], "\n".join(found)
+
+
 def test_relative_links_resolve() -> None:
     broken = []
     for doc in DOCS:
