@@ -47,6 +47,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _model(text: str) -> tuple[str, int]:
+    from hcqa.serve.v2 import NAME_PATTERN  # only re, attrs and starlette-free names: cheap
+
+    name, sep, width = text.rpartition(":")
+    if not sep or not NAME_PATTERN.fullmatch(name):
+        raise argparse.ArgumentTypeError(
+            f"must be NAME:WIDTH, NAME 1-64 letters, digits, '_', '.' or '-' (got {text!r})"
+        )
+    return name, _int_at_least(1)(width)
+
+
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -84,7 +95,20 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         help="one line per request to FILE, '-' for stdout, 'none' for no log "
         "(default: %(default)s)",
     )
-    add("--width", type=_int_at_least(1), default=256, help="MLP width (default: %(default)s)")
+    add(
+        "--model",
+        type=_model,
+        action="append",
+        metavar="NAME:WIDTH",
+        help="serve an MLP of this width under this name (repeat for several models, each "
+        "with its own batcher; the first also answers /infer); default: mlp:WIDTH",
+    )
+    add(
+        "--width",
+        type=_int_at_least(1),
+        default=256,
+        help="MLP width of the default model 'mlp' (default: %(default)s)",
+    )
     add(
         "--depth",
         type=_int_at_least(1),
@@ -112,8 +136,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import hcqa
     from hcqa.errors import sole_error
-    from hcqa.serve import mlp_pipeline, serve
+    from hcqa.serve import Model, mlp_pipeline, serve
 
+    specs: list[tuple[str, int]] = args.model or [("mlp", args.width)]
+    names = [name for name, _ in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CliError(f"--model names must differ (got {', '.join(twice)} twice)")
     forced = False
 
     async def main() -> None:
@@ -121,16 +150,25 @@ def run_serve(args: argparse.Namespace) -> int:
         stop = trio.Event()
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-                pipes = await mlp_pipeline(
-                    d0,
-                    d1,
-                    batch=args.max_batch,
-                    width=args.width,
-                    depth=args.depth,
-                    sleep=args.sleep_ms / 1e3,
-                    buckets=(1,),  # a lone sample runs unpadded in a batch-1 pipeline
-                )
-                pipe = pipes[-1]
+                models = []
+                for name, width in specs:
+                    pipes = await mlp_pipeline(
+                        d0,
+                        d1,
+                        batch=args.max_batch,
+                        width=width,
+                        depth=args.depth,
+                        sleep=args.sleep_ms / 1e3,
+                        buckets=(1,),  # a lone sample runs unpadded in a batch-1 pipeline
+                    )
+                    models.append(
+                        Model(
+                            name=name,
+                            pipeline=pipes,
+                            max_batch=args.max_batch,
+                            max_wait=args.max_wait,
+                        )
+                    )
                 async with trio.open_nursery() as nursery:
 
                     async def on_signals() -> None:
@@ -151,7 +189,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
                     async def server(task_status: trio.TaskStatus[int]) -> None:
                         await serve(
-                            pipes,
+                            models,
                             host=args.host,
                             port=args.port,
                             max_batch=args.max_batch,
@@ -171,11 +209,18 @@ def run_serve(args: argparse.Namespace) -> int:
                         if args.max_batch > 1
                         else "no dynamic batching"
                     )
-                    _out(f"{PROG}: serving {pipe} on http://{args.host}:{port} ({batching})")
+                    url = f"http://{args.host}:{port}"
+                    _out(f"{PROG}: serving on {url} ({batching})")
+                    for name, width in specs:
+                        _out(
+                            f"  model {name}: MLP float32[n, {width}] -> float32[n, {width}], "
+                            f"POST /v2/models/{name}/infer (Open Inference Protocol)"
+                        )
+                    first = specs[0][1]
                     _out(
-                        f"  POST /infer  one sample float32[{args.width}] or a batch "
-                        f'float32[n, {args.width}], as JSON {{"inputs": ...}} or raw '
-                        "little-endian bytes; GET /health, /stats, /metrics"
+                        f"  POST /infer ({specs[0][0]}): one sample float32[{first}] or a batch "
+                        f'float32[n, {first}], as JSON {{"inputs": ...}} or raw '
+                        "little-endian bytes; GET /health, /stats, /metrics, /v2"
                     )
                     sys.stdout.flush()
         if not forced:

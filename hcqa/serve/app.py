@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -42,6 +42,7 @@ from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
 from hcqa.serve.inputs import InputError, from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
+from hcqa.serve.v2 import V2, Model, Served
 
 __all__ = ["make_app"]
 
@@ -267,14 +268,36 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error(exc.status_code, str(exc.detail))
 
 
+def _largest(pipeline: Any) -> Any:
+    """The pipeline itself, or the one with the largest batch of a list of them."""
+    if isinstance(pipeline, list | tuple):
+        if not pipeline:
+            raise InvalidCommand("serve needs a pipeline (got an empty list)")
+        return max(pipeline, key=lambda p: p.in_shape[0])
+    return pipeline
+
+
+def _version() -> str:
+    from hcqa import __version__
+
+    return __version__
+
+
 def make_app(
     pipeline: Any,
     *,
     batcher: Batcher | None = None,
     max_pending: int | None = None,
     max_body: int | None = None,
+    name: str = "model",
+    version: str = "1",
+    models: Sequence[tuple[Model, Batcher | None]] = (),
 ) -> ASGIApp:
     """An ASGI app serving ``pipeline`` (a ``Pipeline`` or ``ProcessPipeline``).
+
+    ``/infer`` and the Open Inference Protocol's ``/v2/models/{name}/...`` serve it;
+    ``models``: more models for ``/v2`` only, each a :class:`~hcqa.serve.Model` (its
+    ``pipeline`` the largest of its batch sizes) with its own open batcher (or None).
 
     ``batcher``: single samples go through it (see :func:`hcqa.open_batcher`); without one
     each runs alone. ``max_pending``: answer ``503`` to an ``/infer`` request when that many
@@ -290,12 +313,26 @@ def make_app(
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
         raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
     state = State(pipeline, batcher, max_pending=max_pending, max_body=max_body)
+    served = [Served(name, version, state)]
+    for model, model_batcher in models:
+        served.append(
+            Served.make(
+                model.name,
+                model.version,
+                _largest(model.pipeline),
+                model_batcher,
+                max_pending=max_pending,
+                max_body=max_body,
+            )
+        )
+    v2 = V2(served, _version())
     ep = _Endpoints(state)
     routes = [
         Route("/health", ep.health, methods=["GET"]),
         Route("/stats", ep.stats, methods=["GET"]),
         Route("/metrics", ep.metrics, methods=["GET"]),
         Route("/infer", ep.infer, methods=["POST"]),
+        *v2.routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.hcqa = state

@@ -34,7 +34,7 @@ from hcqa.batcher import Batcher
 from hcqa.devices.base import Device
 from hcqa.serve.inputs import Shape
 
-__all__ = ["ENDPOINTS", "Measured", "ScrapeTime", "State"]
+__all__ = ["ENDPOINTS", "Measured", "ScrapeTime", "State", "endpoint_of"]
 
 ENDPOINTS = ("/health", "/infer", "/metrics", "/stats")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
@@ -161,6 +161,22 @@ class ScrapeTime(Collector):
         yield from (busy, queued, healthy)
 
 
+_V2_FIXED = ("/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index")
+
+
+def endpoint_of(path: str) -> str:
+    """The metrics label of a request path: the route, never the model's name (so the
+    number of label values stays bounded whatever clients send)."""
+    path = path.rstrip("/") or "/"
+    if path in ENDPOINTS or path in _V2_FIXED:
+        return path
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[:3] == ["", "v2", "models"]:
+        tail = parts[-1] if parts[-1] in ("ready", "infer") and len(parts) in (5, 7) else ""
+        return "/v2/models/{model}" + (f"/{tail}" if tail else "")
+    return "other"
+
+
 class Measured:
     """ASGI middleware: counts and times every HTTP request by endpoint and status."""
 
@@ -173,8 +189,7 @@ class Measured:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        path = scope["path"].rstrip("/") or "/"
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = endpoint_of(scope["path"])
         status = [500]
 
         async def send_status(message: Message) -> None:

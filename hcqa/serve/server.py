@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,8 @@ from hcqa.batcher import Batcher, open_batcher
 from hcqa.devices.base import Device
 from hcqa.errors import InvalidCommand, install_hint, sole_error
 from hcqa.pipeline import Pipeline, Stage
-from hcqa.serve.app import make_app
+from hcqa.serve.app import _largest, make_app
+from hcqa.serve.v2 import Model
 
 __all__ = ["mlp_pipeline", "serve"]
 
@@ -52,6 +53,10 @@ async def serve(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled or drained.
+
+    ``pipeline`` may be a list of :class:`~hcqa.serve.Model`: each is served under its name
+    by the Open Inference Protocol (``/v2/models/{name}/infer``) with a batcher of its own;
+    the first also answers ``/infer``. A lone pipeline is the model named ``"model"``.
 
     Single samples are batched (:func:`hcqa.open_batcher`, ``max_batch`` -- default the
     pipeline's batch dimension -- and ``max_wait``); ``max_batch=1`` turns batching off.
@@ -82,10 +87,22 @@ async def serve(
         if not hasattr(config, key):
             raise TypeError(f"hypercorn's Config has no option {key!r}")
         setattr(config, key, value)
+    models = _models(pipeline, max_batch, max_wait)
     try:
-        largest = _largest(pipeline)
-        async with _maybe_batcher(pipeline, max_batch, max_wait) as batcher:
-            app: Any = make_app(largest, batcher=batcher, max_pending=max_pending)
+        async with AsyncExitStack() as stack:
+            batchers = [
+                await stack.enter_async_context(_maybe_batcher(m.pipeline, m.max_batch, m.max_wait))
+                for m in models
+            ]
+            first = models[0]
+            app: Any = make_app(
+                _largest(first.pipeline),
+                batcher=batchers[0],
+                max_pending=max_pending,
+                name=first.name,
+                version=first.version,
+                models=list(zip(models[1:], batchers[1:], strict=True)),
+            )
             async with trio.open_nursery() as nursery:
                 start = hypercorn_serve
                 binds: list[str] = await nursery.start(
@@ -112,13 +129,23 @@ def _access_logger(target: str) -> logging.Logger:
     return logger
 
 
-def _largest(pipeline: Any) -> Any:
-    """The pipeline itself, or the one with the largest batch of a list of them."""
-    if isinstance(pipeline, list | tuple):
-        if not pipeline:
-            raise InvalidCommand("serve needs a pipeline (got an empty list)")
-        return max(pipeline, key=lambda p: p.in_shape[0])
-    return pipeline
+def _models(pipeline: Any, max_batch: int | None, max_wait: float) -> list[Model]:
+    """What to serve as a list of models (a lone pipeline is the model "model")."""
+    if isinstance(pipeline, Model):
+        return [pipeline]
+    if (
+        isinstance(pipeline, list | tuple)
+        and pipeline
+        and all(isinstance(m, Model) for m in pipeline)
+    ):
+        names = [m.name for m in pipeline]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise InvalidCommand(f"model names must differ (got {', '.join(twice)} twice)")
+        return list(pipeline)
+    if isinstance(pipeline, list | tuple) and any(isinstance(m, Model) for m in pipeline):
+        raise InvalidCommand("serve takes a pipeline, a list of pipelines or a list of Models")
+    return [Model(name="model", pipeline=pipeline, max_batch=max_batch, max_wait=max_wait)]
 
 
 @asynccontextmanager
