@@ -6,6 +6,12 @@
 
 ``POST /infer`` takes JSON ``{"inputs": float32[2, 4]}`` and returns the pipeline's output:
 stage 1 on ``cpu:0`` adds 1, stage 2 on ``cpu:1`` doubles, so ``(x + 1) * 2``.
+
+A client that disconnects cancels its request, as in ``hcqa serve``: aiohttp cancels the
+handler of a client that has gone only when asked to (``handler_cancellation=True``, off by
+default), and the ``CancelledError`` then reaches ``await pipe(x)``, which stops the work. Run
+the app with :data:`SERVER_OPTIONS` (``web.run_app(app, **SERVER_OPTIONS)``, or
+``web.AppRunner(app, **SERVER_OPTIONS)``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import hcqa
 
 IN_SHAPE = (2, 4)
 PIPE = web.AppKey("pipe", hcqa.Pipeline)
+# Cancel the handler when its client disconnects: nothing is computed for nobody.
+SERVER_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 
 
 def add_one(out: np.ndarray, x: np.ndarray) -> None:
@@ -57,4 +65,4 @@ def make_app() -> web.Application:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="aiohttp serving an hcqa pipeline")
     parser.add_argument("--port", type=int, default=8080)
-    web.run_app(make_app(), host="127.0.0.1", port=parser.parse_args().port)
+    web.run_app(make_app(), host="127.0.0.1", port=parser.parse_args().port, **SERVER_OPTIONS)

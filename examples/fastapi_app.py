@@ -18,15 +18,22 @@ Endpoints (as ``hcqa serve``'s): ``POST /infer`` takes ``float32[batch, width]``
 little-endian bytes (answered in kind, with ``x-hcqa-shape`` / ``x-hcqa-dtype`` headers)
 or as JSON ``{"inputs": [[...], ...]}``; ``400`` for a bad body, ``500`` for a
 ``DeviceFault``, ``503`` once the devices are closed. ``GET /health``, ``GET /stats``.
+
+A client that disconnects cancels its request, as in ``hcqa serve``: uvicorn (like most ASGI
+servers) goes on running a handler whose client has gone, so ``cancel_on_disconnect`` awaits
+the pipeline beside a watcher of the request's ``http.disconnect`` message, and cancels the
+pipeline call when it comes. A call waiting for a pipeline slot then never runs, and one
+already running stops waiting: nothing is computed for a client that is no longer there.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -36,6 +43,34 @@ import hcqa
 from hcqa.serve import mlp_pipeline
 
 RAW_TYPE = "application/octet-stream"
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``await work``; if the client disconnects first, cancel it and raise ``ClientGone``.
+
+    Call it once the body is read: from then on the request's ``receive()`` waits until the
+    client disconnects (``{"type": "http.disconnect"}``)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled itself: neither task outlives it
+        watcher.cancel()
+        task.cancel()  # a no-op once the work is done
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
@@ -64,7 +99,9 @@ def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
         raw = request.headers.get("content-type", "").startswith(RAW_TYPE)
         try:
             x = _decode(body, raw, pipe)
-            y = await pipe(x)  # an asyncio task awaiting hcqa
+            y = await cancel_on_disconnect(request, pipe(x))  # an asyncio task awaiting hcqa
+        except ClientGone:
+            return Response(status_code=499)  # nobody is left to read it
         except (ValueError, hcqa.InvalidCommand) as exc:
             return _error(400, exc)
         except hcqa.DeviceFault as exc:

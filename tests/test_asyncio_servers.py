@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import math
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +195,167 @@ def test_hcqa_serve_app_under_uvicorn() -> None:
                     server.should_exit = True
                     await asyncio.wait_for(serving, TIMEOUT)
                     sock.close()
+        assert not aio._hosts
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT * 2))
+
+
+# -- a client that disconnects cancels its work -----------------------------------------------
+
+
+class _Watched:
+    """A pipeline that counts the calls that entered and left it (``pipe.in_shape`` etc. pass
+    through), so a test can tell when the server's handlers are waiting on it."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.entered = 0
+        self.left = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pipe, name)
+
+    async def __call__(self, x: Any) -> Any:
+        self.entered += 1
+        try:
+            return await self.pipe(x)
+        finally:
+            self.left += 1
+
+
+async def _until(what: str, ok: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll the server's state (a real server in this process) until ``ok()``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not ok():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting: {what}"
+        await asyncio.sleep(0.005)
+
+
+async def _post_and_leave(port: int, body: bytes, content_type: str) -> asyncio.StreamWriter:
+    """Send a whole POST /infer on a connection of its own; the caller closes it unanswered."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    return writer
+
+
+def _gated_pipeline(device: Any, in_shape: tuple[int, ...]) -> tuple[Any, threading.Event]:
+    """A depth-1 pipeline whose one stage (out = x) waits for the gate: its first call holds
+    the only slot while others queue behind it."""
+    import hcqa
+
+    gate = threading.Event()
+
+    def gated(out: np.ndarray, x: np.ndarray) -> None:
+        gate.wait(TIMEOUT)
+        np.copyto(out, x)
+
+    return hcqa.Pipeline([(device, gated)], in_shape=in_shape, depth=1), gate
+
+
+LEAVERS = 6
+
+
+def test_fastapi_example_cancels_the_work_of_clients_that_disconnect() -> None:
+    uvicorn = pytest.importorskip("uvicorn")
+    example = _example("fastapi_app")
+    batch, width = 2, 8
+    app = example.create_app(batch=batch, width=width, depth=1)
+
+    async def main() -> None:
+        sock = _loopback_socket()
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        gate = threading.Event()
+        try:
+            await _until("uvicorn started", lambda: server.started or serving.done())
+            pipe, gate = _gated_pipeline(app.state.devices[0], (batch, width))
+            app.state.pipe = watched = _Watched(pipe)
+            x = np.arange(batch * width, dtype=np.float32).reshape(batch, width)
+            body = x.astype("<f4").tobytes()
+            raw = {"content-type": "application/octet-stream"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                stays = asyncio.ensure_future(client.post("/infer", content=body, headers=raw))
+                await _until("the first request holds the slot", lambda: watched.entered == 1)
+                leavers = [
+                    await _post_and_leave(port, body, raw["content-type"]) for _ in range(LEAVERS)
+                ]
+                await _until("all requests wait", lambda: watched.entered == 1 + LEAVERS)
+                for writer in leavers:
+                    writer.close()
+                await _until(
+                    "the disconnected clients' calls cancelled", lambda: watched.left == LEAVERS
+                )
+                gate.set()
+                r = await asyncio.wait_for(stays, TIMEOUT)
+                assert r.status_code == 200
+                np.testing.assert_array_equal(np.frombuffer(r.content, "<f4").reshape(x.shape), x)
+            stats = pipe.statistics()
+            assert (stats.completed, stats.in_flight) == (1, 0)  # no work for the leavers
+        finally:
+            gate.set()
+            server.should_exit = True
+            await asyncio.wait_for(serving, TIMEOUT)
+            sock.close()
+        assert not aio._hosts
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT * 2))
+
+
+def test_aiohttp_example_cancels_the_work_of_clients_that_disconnect() -> None:
+    pytest.importorskip("aiohttp")
+    from aiohttp import web
+
+    import hcqa
+
+    example = _example("aiohttp_app")
+    app = example.make_app()
+    gated: dict[str, Any] = {}
+
+    async def swap(app: web.Application) -> Any:  # after the example's own cleanup context
+        async with hcqa.open_devices("cpu:2") as (d,):
+            gated["pipe"], gated["gate"] = _gated_pipeline(d, example.IN_SHAPE)
+            app[example.PIPE] = gated["watched"] = _Watched(gated["pipe"])
+            yield
+
+    app.cleanup_ctx.append(swap)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, **example.SERVER_OPTIONS)
+        await runner.setup()
+        sock = _loopback_socket()
+        watched = gated["watched"]
+        try:
+            await web.SockSite(runner, sock).start()
+            port = sock.getsockname()[1]
+            x = np.arange(8, dtype=np.float32).reshape(example.IN_SHAPE)
+            body = json.dumps({"inputs": x.tolist()}).encode()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                stays = asyncio.ensure_future(client.post("/infer", content=body))
+                await _until("the first request holds the slot", lambda: watched.entered == 1)
+                leavers = [
+                    await _post_and_leave(port, body, "application/json") for _ in range(LEAVERS)
+                ]
+                await _until("all requests wait", lambda: watched.entered == 1 + LEAVERS)
+                for writer in leavers:
+                    writer.close()
+                await _until(
+                    "the disconnected clients' calls cancelled", lambda: watched.left == LEAVERS
+                )
+                gated["gate"].set()
+                r = await asyncio.wait_for(stays, TIMEOUT)
+                assert r.status_code == 200 and r.json()["outputs"] == x.tolist()
+            stats = gated["pipe"].statistics()
+            assert (stats.completed, stats.in_flight) == (1, 0)  # no work for the leavers
+        finally:
+            gated["gate"].set()
+            await runner.cleanup()
+            sock.close()
         assert not aio._hosts
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT * 2))
