@@ -60,10 +60,14 @@ __all__ = ["Pipeline", "PipelineStatistics", "Stage"]
 
 @attrs.frozen(kw_only=True)
 class Stage:
-    """One pipeline stage: ``program(out, inp, *params)`` on ``device``.
+    """One pipeline stage: ``program(out, inp, *params, vals=vals, global_size=global_size,
+    local_size=local_size)`` on ``device``.
 
     ``program`` may be a :class:`~hcqa.Program` or a Python callable (made into a
     program on ``device``). ``out_shape`` / ``out_dtype`` default to the input's.
+    ``vals`` and the launch geometry are passed as given to every launch (an OpenCL kernel
+    needs its NDRange; a C kernel its sizes); the program checks them when the pipeline is
+    built.
     """
 
     device: Device
@@ -72,6 +76,9 @@ class Stage:
     out_dtype: Any = None
     params: tuple[Buffer, ...] = ()
     name: str = ""
+    vals: tuple[int, ...] = ()
+    global_size: tuple[int, int, int] = (1, 1, 1)
+    local_size: tuple[int, int, int] = (1, 1, 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -163,7 +170,17 @@ class Pipeline:
                 shape = stage.out_shape or shape
                 dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
                 out = stage.device.alloc(shape=shape, dtype=dtype)
-                steps.append(functools.partial(prog, out, inp, *stage.params))
+                steps.append(
+                    functools.partial(
+                        prog,
+                        out,
+                        inp,
+                        *stage.params,
+                        vals=stage.vals,
+                        global_size=stage.global_size,
+                        local_size=stage.local_size,
+                    )
+                )
                 steps[-1]()
                 inp = out
         slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)

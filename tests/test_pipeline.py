@@ -116,6 +116,31 @@ void add3(float *out, const float *a) { for (int i = 0; i < 16; i++) out[i] = a[
         np.testing.assert_array_equal(await pipe(x), x * 2 + 3)
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+async def test_stage_vals_and_geometry_reach_every_launch() -> None:
+    src = "void addn(float *out, const float *a, int n, int k) { for (int i = 0; i < n; i++)"
+    src += " out[i] = a[i] + k; }"
+    seen: list[tuple[int, int, int]] = []
+
+    def shaped(out: F32, a: F32, *, global_size: tuple[int, int, int]) -> None:
+        seen.append(global_size)
+        np.copyto(out, a)
+
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        addn = d1.program("addn", src, entry="addn")
+        stages = [
+            Stage(device=d0, program=shaped, global_size=(2, 3, 1)),
+            Stage(device=d1, program=addn, vals=(16, 5)),
+        ]
+        pipe = Pipeline(stages, in_shape=(16,), depth=2)
+        x = np.arange(16, dtype=np.float32)
+        for i in range(3):
+            np.testing.assert_array_equal(await pipe(x + i), x + i + 5)
+        assert seen and set(seen) == {(2, 3, 1)}
+        with pytest.raises(InvalidCommand, match="vals"):  # checked when the pipeline is built
+            Pipeline([Stage(device=d1, program=addn, vals=(16,))], in_shape=(16,))
+
+
 async def test_map_preserves_order() -> None:
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe = Pipeline([(d0, dbl), (d1, add1), (d0, dbl)], in_shape=(4,), depth=3)
