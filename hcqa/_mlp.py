@@ -26,6 +26,7 @@ __all__ = [
     "F32",
     "FULL",
     "QUICK",
+    "WARM_PASSES",
     "Layout",
     "MlpSpec",
     "Timed",
@@ -212,9 +213,13 @@ class Timed:
     want: list[F32]  # the 1-device run's outputs
     t_pipe: float
     t_seq: float
+    halves: tuple[float, float]  # the speedup of the first half's pair and of the second's
     pipe_label: str  # "pipeline, 2 devices" / "pipeline, 2 worker processes"
     seq_label: str
     pipe_desc: str
+
+
+WARM_PASSES = 8  # at most, per side
 
 
 async def _timed(
@@ -223,17 +228,31 @@ async def _timed(
     xs: Sequence[F32],
     bar: Bar,
     warm: int,
-) -> tuple[list[F32], list[F32], float, float]:
-    """Warm both sides up, then time them A B B A; (pipe outs, seq outs, pipe s, seq s)."""
+    warm_seconds: float = 0.0,
+) -> tuple[list[F32], list[F32], list[float], list[float]]:
+    """Warm both sides up, then time them A B B A; (pipe outs, seq outs, pipe s, seq s), the
+    seconds per half (the first half's pair, then the second's).
+
+    The warm-up runs ``warm`` microbatches through each side, again and again until that side
+    has run for ``warm_seconds`` (at most ``WARM_PASSES`` passes): a first run in a fresh
+    process pays for first touches of pages and BLAS buffers, and the host's cores ramp up,
+    which would otherwise land in the timed run of whichever side goes first."""
     bar.describe("warming up")
     for name, p in (("pipeline", pipe), ("sequential", seq)):
-        await drive(p, xs[:warm], bar.advance, label=f"warm-up {name}")
+        spent = 0.0
+        for k in range(WARM_PASSES):
+            _, t = await drive(
+                p, xs[:warm], bar.advance if k == 0 else None, label=f"warm-up {name}"
+            )
+            spent += t
+            if spent >= warm_seconds:
+                break
     # A B B A: each side runs half the batches early and half late, so a drift in the host's
     # load (shared machines vary a lot) hits both alike.
     cut = len(xs) // 2
     sides = {"pipeline": pipe, "sequential": seq}
     outs: dict[str, list[F32]] = {"pipeline": [], "sequential": []}
-    secs = {"pipeline": 0.0, "sequential": 0.0}
+    secs: dict[str, list[float]] = {"pipeline": [], "sequential": []}
     for name, lo, hi in (
         ("pipeline", 0, cut),
         ("sequential", 0, cut),
@@ -243,22 +262,35 @@ async def _timed(
         bar.describe(f"{name} {lo + 1}-{hi}")
         got, t = await drive(sides[name], xs[lo:hi], bar.advance, label=f"{name} {lo + 1}-{hi}")
         outs[name] += got
-        secs[name] += t
+        secs[name].append(t)
     return outs["pipeline"], outs["sequential"], secs["pipeline"], secs["sequential"]
 
 
+def _halves(t_pipe: list[float], t_seq: list[float]) -> tuple[float, float]:
+    first, second = (s / p if p > 0 else float("inf") for p, s in zip(t_pipe, t_seq, strict=True))
+    return first, second
+
+
 async def run_threads(
-    spec: MlpSpec, path: str, layout: Layout, depth: int, xs: Sequence[F32], bar: Bar, warm: int
+    spec: MlpSpec,
+    path: str,
+    layout: Layout,
+    depth: int,
+    xs: Sequence[F32],
+    bar: Bar,
+    warm: int,
+    warm_seconds: float = 0.0,
 ) -> Timed:
     """The two stages on cpu:0 and cpu:1 against every layer on cpu:0, in this process."""
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
-        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm)
+        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds)
     return Timed(
         got=got,
         want=want,
-        t_pipe=t_pipe,
-        t_seq=t_seq,
+        t_pipe=sum(t_pipe),
+        t_seq=sum(t_seq),
+        halves=_halves(t_pipe, t_seq),
         pipe_label="pipeline, 2 devices",
         seq_label="sequential, 1 device",
         pipe_desc=repr(pipe),
@@ -266,7 +298,14 @@ async def run_threads(
 
 
 async def run_processes(
-    spec: MlpSpec, path: str, layout: Layout, depth: int, xs: Sequence[F32], bar: Bar, warm: int
+    spec: MlpSpec,
+    path: str,
+    layout: Layout,
+    depth: int,
+    xs: Sequence[F32],
+    bar: Bar,
+    warm: int,
+    warm_seconds: float = 0.0,
 ) -> Timed:
     """The same two stages, each in its own worker process (``hcqa.processes``), against every
     layer on one device (cpu:0) of this process -- run on its engine thread, so the baseline
@@ -287,13 +326,14 @@ async def run_processes(
         )
         seq = hcqa.Pipeline([whole], in_shape=(b, h), depth=depth)
         async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
-            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm)
+            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds)
             pids = ", ".join(str(w.pid) for w in pipe.workers)
     return Timed(
         got=got,
         want=want,
-        t_pipe=t_pipe,
-        t_seq=t_seq,
+        t_pipe=sum(t_pipe),
+        t_seq=sum(t_seq),
+        halves=_halves(t_pipe, t_seq),
         pipe_label="pipeline, 2 worker processes",
         seq_label="sequential, 1 device (cpu:0)",
         pipe_desc=f"2 worker processes (pids {pids})",

@@ -19,12 +19,16 @@ two devices can approach 2x the sequential throughput on two cores.
 
 ``drive`` keeps ``depth`` worker tasks (named ``"pipeline 1-64 worker 2"``, so a trace reads
 well) pulling microbatch indices, so exactly ``depth`` microbatches are in flight and every
-completion ticks the progress bar (rich, on stderr, only on a tty). Both sides are warmed up
-with ``2 * depth`` microbatches first (fresh slots and pages, BLAS's first calls), then timed
-A B B A (each runs half the batches early and half late), so a drift in the host's load --
-shared machines vary a lot -- hits both alike. :func:`verdict` turns the two times into one
-line: too short to judge (under half a second a side), a win, or the likeliest reason for a
-loss (one core, BLAS not limited, a busy host, hand-offs costing more than the overlap).
+completion ticks the progress bar (rich, on stderr, only on a tty). Both sides are warmed
+up first: ``2 * depth`` microbatches, again and again until the side has run for
+``WARM_SECONDS`` (fresh slots and pages, BLAS's first calls, the cores ramping up: costs that a
+first run in a fresh process would otherwise charge to the side timed first). Then they are
+timed A B B A (each runs half the batches early and half late), so a drift in the host's load
+-- shared machines vary a lot -- hits both alike; the output gives each half's speedup and
+what the figure depends on (free cores, BLAS threads, the host's load). :func:`verdict` turns
+the two times into one line: too short to judge (under half a second a side), a win, or the
+likeliest reason for a loss (one core, BLAS not limited, a busy host, hand-offs costing more
+than the overlap).
 
 ``--processes`` runs the two stages in worker processes (``hcqa.processes``); its baseline is the
 same one-stage pipeline on a ``cpu:0`` device of this process, so it runs on an engine thread
@@ -58,6 +62,7 @@ from hcqa._mlp import (
     F32,
     FULL,
     QUICK,
+    WARM_PASSES,
     Layout,
     MlpSpec,
     Timed,
@@ -79,11 +84,14 @@ __all__ = [
     "FULL",
     "MIN_SECONDS",
     "QUICK",
+    "WARM_PASSES",
+    "WARM_SECONDS",
     "Layout",
     "MlpSpec",
     "Timed",
     "build_pipelines",
     "configure",
+    "depends",
     "drive",
     "load_params",
     "make_inputs",
@@ -102,6 +110,7 @@ __all__ = [
 # the verdict
 
 MIN_SECONDS = 0.5  # per side: below this the timings are mostly fixed costs and noise
+WARM_SECONDS = 0.5  # per side, before timing (not in --quick runs)
 
 
 def verdict(
@@ -145,6 +154,17 @@ def verdict(
             "size; try a larger --batch-size or --hidden"
         )
     return f"verdict: the pipeline lost ({speedup:.2f}x): {why}"
+
+
+def depends(*, cores: int, blas_limited: bool, load: float | None) -> str:
+    """What the speedup depends on, with this run's values: free cores, BLAS threads, load."""
+    blas = "1 per device" if blas_limited else "not limited"
+    busy = f"1-minute load average {load:.1f} at the start" if load is not None else "unknown"
+    return (
+        f"the figure depends on free cores (the two stages need two: {cores} here), BLAS "
+        f"threads ({blas}) and the host's other load ({busy}); on a busy or shared host it "
+        "varies from run to run"
+    )
 
 
 def _cores() -> int:
@@ -252,8 +272,18 @@ def run(args: argparse.Namespace) -> int:
         steps = 2 * (warm + spec.batches)
         with blas(), progress("starting", steps, enabled=not args.no_progress) as bar:
             body = run_processes if args.processes else run_threads
+            warm_seconds = 0.0 if args.quick else WARM_SECONDS
             timed = trio.run(
-                body, spec, path, layout, args.depth, xs, bar, warm, instruments=instruments
+                body,
+                spec,
+                path,
+                layout,
+                args.depth,
+                xs,
+                bar,
+                warm,
+                warm_seconds,
+                instruments=instruments,
             )
         half = spec.layers // 2
         where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
@@ -287,7 +317,12 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(timed.pipe_label), len(timed.seq_label))
     for name, secs in ((timed.pipe_label, timed.t_pipe), (timed.seq_label, timed.t_seq)):
         out.write(f"  {name:<{width}}: {secs:7.3f} s  {spec.batches / secs:8.1f} microbatches/s\n")
-    out.write(f"  speedup: {timed.t_seq / timed.t_pipe:.2f}x (sequential time / pipeline time)\n")
+    first, second = timed.halves
+    out.write(
+        f"  speedup: {timed.t_seq / timed.t_pipe:.2f}x (sequential time / pipeline time; timed "
+        f"A B B A after a warm-up, halves {first:.2f}x and {second:.2f}x)\n"
+    )
+    out.write(f"  {depends(cores=_cores(), blas_limited=blas_limited, load=load_before)}\n")
     line = verdict(
         t_pipe=timed.t_pipe,
         t_seq=timed.t_seq,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,22 @@ def test_the_progress_display_draws_only_on_a_terminal() -> None:
     with progress("off", 4, stream=tty, enabled=False):
         pass
     assert tty.getvalue() == drawn  # disabled: nothing more written
+
+
+def test_a_full_run_warms_up_then_says_what_the_figure_depends_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Not --quick: the warm-up repeats until each side has run WARM_SECONDS (tiny sizes here,
+    # so it runs all its passes), and the output explains the speedup it prints.
+    trace = tmp_path / "t.json"
+    argv = ["--batches", "8", "--batch-size", "16", "--hidden", "64", "--depth", "2"]
+    assert cli_main(["demo", "--no-progress", *argv, "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    halves = r"A B B A after a warm-up, halves [\d.]+x and [\d.]+x\)"
+    assert re.search(r"speedup: [\d.]+x \(.*" + halves, out), out
+    assert "the figure depends on free cores" in out and "BLAS threads (1 per device)" in out
+    assert "load average" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    whole = [e for e in events if e.get("ph") == "X" and e.get("name") == "mlp"]
+    warm = 2 * 2  # 2 * depth microbatches a pass
+    assert len(whole) == 8 + warm * demo.WARM_PASSES  # every warm-up pass ran
