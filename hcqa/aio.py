@@ -23,7 +23,7 @@ Three ways an asyncio caller's await is served:
 
 * ``await fence`` / ``Signal.wait`` (and so ``copyin``, ``copyout``, ``transfer``,
   ``Program.timed``, ``synchronize``) park an asyncio Future on the signal
-  directly, see ``hcqa/_aio_wait.py``: no trio hop at all;
+  directly, see ``hcqa/_signals/aio_wait.py``: no trio hop at all;
 * block-shaped calls (``open_devices``, ``open_process_pipeline``) run as a trio
   task that enters the context manager, hands the value over, and leaves it with
   the body's exception (so the block drains or cancels exactly as under trio) --

@@ -33,8 +33,8 @@ import trio
 from hcqa import aio
 from hcqa import commands as cmd
 from hcqa._capture import current_capture
-from hcqa._parking import _check_target
 from hcqa._patch import CommandSlot
+from hcqa._signals.parking import _check_target
 from hcqa.devices.buffer import Buffer
 from hcqa.errors import InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal

@@ -11,7 +11,7 @@ only says "look again", the value word is the truth.
 
 Waiters park the way tasks park in trio's ``ParkingLot``: one waiter of the process
 owns the eventfd and sleeps on it, the others are parked and woken by the owner
-(``_parking.py`` tells how; :class:`Signal` gets its waits from that mixin).
+(``_signals/parking.py`` tells how; :class:`Signal` gets its waits from that mixin).
 
 No wake-up is lost: a waiter registers itself *before* it reads the value, and
 an in-process producer writes the value *before* it looks for registered
@@ -22,7 +22,7 @@ Memory-only producers: a device, a DMA engine or a C kernel may write the value
 word and never touch the eventfd. So memory is also re-read on a timer that backs
 off -- first after ``BACKOFF_FIRST`` seconds, then twice as long each time, never
 longer than ``BACKOFF_MAX``: a thread owner by its ``poll`` timeout, a task owner
-by its run's re-reader (``_rereader.py``), which writes the eventfd of a signal
+by its run's re-reader (``_signals/rereader.py``), which writes the eventfd of a signal
 whose value changed. A value written only to memory is therefore seen within
 ``BACKOFF_MAX`` (plus scheduling) however long the wait has lasted, and an idle
 wait costs about ``1 / BACKOFF_MAX`` short wake-ups a second, well below 1 % of a
@@ -46,11 +46,11 @@ from typing import Any
 import attrs
 import trio
 
-from hcqa._parking import ParkingLot, _check_target
-from hcqa._slots import PAGE, SLOT, Page, pool
-from hcqa._waiters import Waiter
+from hcqa._signals.fence import Fence
+from hcqa._signals.parking import ParkingLot, _check_target
+from hcqa._signals.slots import PAGE, SLOT, Page, pool
+from hcqa._signals.waiters import Waiter
 from hcqa.errors import DeviceClosed, InvalidCommand
-from hcqa.fence import Fence
 
 __all__ = ["Fence", "Signal", "SignalStatistics"]
 

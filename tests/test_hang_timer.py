@@ -1,4 +1,4 @@
-"""Hang limits timed by the run's re-reader (``hcqa/_rereader.py``), not by a cancel scope
+"""Hang limits timed by the run's re-reader (``hcqa/_signals/rereader.py``), not by a cancel scope
 per wait (issue 18): the limit holds for owners and parked waiters alike, a short limit is
 honoured while the timer sleeps a long tick, progress renews it, and a wait that ends any
 way (reached, cancelled, broken) leaves nothing timed behind.
@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from hcqa import DeviceClosed, Fence, Signal, SignalTimeout
-from hcqa._rereader import watch
+from hcqa._signals.rereader import watch
 
 
 def _untimed() -> None:

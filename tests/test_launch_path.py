@@ -22,7 +22,7 @@ import hcqa
 import hcqa.testing as ht
 from hcqa import DeviceFault, Signal
 from hcqa import commands as cmd
-from hcqa._rereader import watch
+from hcqa._signals.rereader import watch
 from hcqa.actors.engine import Engine
 from hcqa.devices.cpu import INLINE_COPY_MAX, CpuDevice
 

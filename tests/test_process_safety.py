@@ -244,7 +244,7 @@ async def test_a_call_waits_for_its_item_with_no_rereader_timer() -> None:
     # the last stage always writes the coordinator's eventfd after the value, so a caller
     # waiting for its item sleeps on that eventfd alone: the run's re-reader watches no
     # pipeline signal and does not tick while the stage runs
-    from hcqa import _rereader
+    from hcqa._signals import rereader as _rereader
 
     stage = hcqa.ProcessStage(fn="_stages:sleepy", args={"seconds": 0.3})
     async with open_process_pipeline([stage], in_shape=(4,), path=[TESTS]) as pipe:
@@ -281,7 +281,7 @@ async def test_an_idle_pipeline_is_not_a_hang_and_costs_no_cpu() -> None:
 def test_memfds_are_sealed_against_shrinking(tmp_path: Any) -> None:
     import fcntl
 
-    from hcqa._slots import memfd
+    from hcqa._signals.slots import memfd
 
     fd = memfd("hcqa-test", 8192)
     try:

@@ -1388,7 +1388,7 @@ async def test_memory_only_write_reaches_a_queue_wait() -> None:
 async def test_rereader_timer_backs_off_and_parks_when_nothing_is_watched() -> None:
     # the re-reader ticks ~1/BACKOFF_MAX times a second while a task owns an eventfd, and
     # not at all once nobody does
-    from hcqa import _rereader
+    from hcqa._signals import rereader as _rereader
 
     sig = Signal()
     with trio.move_on_after(0.5):
@@ -1411,7 +1411,7 @@ async def test_rereader_timer_backs_off_and_parks_when_nothing_is_watched() -> N
 async def test_owner_of_a_signal_whose_producers_write_the_eventfd_joins_no_rereader() -> None:
     # _rereads False: the owner waits on the eventfd alone (no timer); a write through
     # the setter (value, then eventfd) still wakes it. A default signal's owner is watched.
-    from hcqa import _rereader
+    from hcqa._signals import rereader as _rereader
 
     rereader = _rereader.watch()
     quiet, plain = Signal(name="quiet"), Signal(name="plain")

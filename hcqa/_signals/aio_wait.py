@@ -20,7 +20,7 @@ device's fence is a ``loop.call_later`` timer that ends the park, after which th
 value is checked for progress like the trio path does.
 
 Memory-only producers: the owner also re-reads memory on the backoff timer of
-``_rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 64 ms), exactly as if
+``_signals/rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 64 ms), exactly as if
 the eventfd had fired.
 """
 
@@ -30,11 +30,11 @@ import asyncio
 import math
 from typing import TYPE_CHECKING
 
-from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX
-from hcqa._waiters import Waiter
+from hcqa._signals.rereader import BACKOFF_FIRST, BACKOFF_MAX
+from hcqa._signals.waiters import Waiter
 
 if TYPE_CHECKING:
-    from hcqa._parking import ParkingLot
+    from hcqa._signals.parking import ParkingLot
 
 __all__ = ["wait_limited"]
 

@@ -7,7 +7,7 @@ The kernel lets only one reader drain an eventfd, and trio allows one
 *owner*: it sleeps on the eventfd (``wait_readable`` for a trio task, ``poll`` for a
 thread), and every other waiter is *parked* (``wait_task_rescheduled`` for a task, a
 held lock for a thread, an asyncio Future for an asyncio task through
-``_aio_wait.py``). Each wait loops on :meth:`ParkingLot._claim`: list myself, take
+``_signals/aio_wait.py``). Each wait loops on :meth:`ParkingLot._claim`: list myself, take
 ownership if nobody has it, else park. When the eventfd fires the owner drains it
 (:meth:`ParkingLot._drain`), re-reads the value and wakes the parked waiters whose
 target is reached. An owner that leaves -- reached, cancelled, timed out -- hands the
@@ -18,7 +18,7 @@ Two lean paths skip the parking set-up where the caller knows it is alone:
 ``_wait_sole`` (a process pipeline's caller, a trio task) and ``_wait_alone`` (a
 worker's stage thread); both fall back to the full loop when someone else is there.
 
-A trio owner joins its run's re-reader (``_rereader.py``) unless the signal says every
+A trio owner joins its run's re-reader (``_signals/rereader.py``) unless the signal says every
 producer writes the eventfd (``_rereads``); a thread owner re-reads on its ``poll``
 timeout. Hang limits are timed by the re-reader too (``_expire``).
 
@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from hcqa import _aio_wait
-from hcqa._rereader import BACKOFF_FIRST, BACKOFF_MAX, Rereader, watch
-from hcqa._waiters import DONE, OWN, State, Waiter
+from hcqa._signals import aio_wait as _aio_wait
+from hcqa._signals.rereader import BACKOFF_FIRST, BACKOFF_MAX, Rereader, watch
+from hcqa._signals.waiters import DONE, OWN, State, Waiter
 from hcqa.errors import HcqaError, InvalidCommand, SignalTimeout
 
 __all__ = ["ParkingLot"]
@@ -165,7 +165,7 @@ class ParkingLot:
     ) -> None:
         """Wait, raising :class:`SignalTimeout` when the value makes no progress for
         ``hang_limit`` seconds (None or inf: no limit; it is checked by the run's
-        re-reader, see ``_rereader.py``, so the error comes between one and 1.25 limits
+        re-reader, see ``_signals/rereader.py``, so the error comes between one and 1.25 limits
         after the last progress)."""
         if not trio.lowlevel.in_trio_task():  # an asyncio caller: park a Future, no trio hop
             return await _aio_wait.wait_limited(self, target, hang_limit, context, observe)

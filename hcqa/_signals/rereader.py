@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import trio
 
 if TYPE_CHECKING:
-    from hcqa._parking import ParkingLot
-    from hcqa._waiters import Waiter
+    from hcqa._signals.parking import ParkingLot
+    from hcqa._signals.waiters import Waiter
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Rereader", "watch"]
 

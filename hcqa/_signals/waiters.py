@@ -9,7 +9,7 @@ the waiter now *owns* the eventfd) or it left (``ABORTED``). A trio task parks i
 ``wait_task_rescheduled`` and is woken by ``reschedule`` -- from another thread only
 through its run's ``run_sync_soon``, and only while ``parked`` is still true; a thread
 parks on a semaphore, where a wake that lands early is a harmless spurious wake-up; an
-asyncio task parks on a Future (``future``, set in ``loop``'s thread; see ``_aio_wait.py``).
+asyncio task parks on a Future (``future``, set in ``loop``'s thread; see ``_signals/aio_wait.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Waiter:
         self.target = target
         self.state = State.PARKED
         self.msg = DONE
-        self.expired = False  # its hang limit passed with no progress (``_rereader.py``)
+        self.expired = False  # its hang limit passed with no progress (``_signals/rereader.py``)
         self.parked = False  # a trio task inside wait_task_rescheduled (trio thread only)
         self.thread = threading.get_ident()
         if trio_task:

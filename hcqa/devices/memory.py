@@ -44,7 +44,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from hcqa._slots import memfd
+from hcqa._signals.slots import memfd
 from hcqa.errors import InvalidCommand, OutOfMemory
 
 __all__ = [
@@ -120,7 +120,7 @@ class HostMemory:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
         elif fd is None:
             made = _mapped(self._capacity, lambda: memfd("hcqa-buffer", self._capacity))
-            try:  # sealed (see hcqa._slots); a failure closes the memfd: nothing leaks
+            try:  # sealed (see hcqa._signals.slots); a failure closes the memfd: nothing leaks
                 self._mm = _mapped(
                     self._capacity, lambda: mmap.mmap(made, self._capacity, mmap.MAP_SHARED)
                 )
