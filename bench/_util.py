@@ -1,7 +1,7 @@
 """Small helpers shared by the benchmarks: percentiles, tables and their footer.
 
 Percentiles are numpy's (linear interpolation); tables are rich's, in markdown form
-(``hcqa._console``), so a report pastes into docs/performance.md as it is.
+(``hcqa.cli._console``), so a report pastes into docs/performance.md as it is.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from hcqa._console import markdown
+from hcqa.cli._console import markdown
 
 
 def percentile(samples: Sequence[float], q: float) -> float:

@@ -40,7 +40,7 @@ from threadpoolctl import threadpool_limits
 
 import hcqa
 from bench._util import markdown_table
-from hcqa.demo import (
+from hcqa.cli.demo import (
     MlpSpec,
     build_pipelines,
     drive,

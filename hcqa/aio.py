@@ -130,6 +130,11 @@ class _Host:
 
 _hosts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Host] = weakref.WeakKeyDictionary()
 
+# The instruments of a host started without explicit ones: ``hcqa.trace`` sets this to its
+# ``instruments_from_env`` when it is imported (``import hcqa`` imports it), so the core never
+# imports the tracer; None (no instruments) before that.
+default_instruments: Callable[[], list[trio.abc.Instrument]] | None = None
+
 
 async def _settle(fut: asyncio.Future[Any]) -> bool:
     """Wait for ``fut`` whatever happens; True if the caller was cancelled meanwhile."""
@@ -151,9 +156,8 @@ async def _acquire(instruments: Sequence[trio.abc.Instrument] | None = None) -> 
             continue
         if host is None:
             if instruments is None:
-                from hcqa.trace import instruments_from_env
-
-                instruments = instruments_from_env()
+                make = default_instruments
+                instruments = make() if make is not None else []
             host = _hosts[loop] = _Host(loop)
             host.start(instruments)
         host.users += 1

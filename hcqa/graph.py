@@ -7,7 +7,7 @@ transfers, copies, queue submits -- go to ``g`` instead of to the devices (the
 one hook is ``Device._submit``). Each enqueue becomes a *node* on its queue,
 with the buffers it reads and writes.
 
-At the end of the block the graph is *built*, once (``_graphbuild.py`` tells how):
+At the end of the block the graph is *built*, once (``_graph/build.py`` tells how):
 
 * Dependencies come from buffer access, as in eager mode: a node that reads a
   buffer depends on its last writer; one that writes depends on the last writer
@@ -25,7 +25,7 @@ At the end of the block the graph is *built*, once (``_graphbuild.py`` tells how
 
 Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves each distinct
 expression once, then the patch slots -- a slot whose values did not change since its
-last build is sent as built then (``_patch.py``); an unbound or out-of-range variable
+last build is sent as built then (``_graph/patch.py``); an unbound or out-of-range variable
 raises :class:`~hcqa.errors.InvalidCommand` before anything is sent -- then sends one
 message per queue, saying whether it holds Waits (so an idle actor need not scan it).
 
@@ -55,11 +55,11 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa._capture import capturing, current_capture
-from hcqa._graphbuild import Node, Part, Plan, build
-from hcqa._patch import check_rebind, rebind_command, resolve_all
+from hcqa._graph.build import Node, Part, Plan, build
+from hcqa._graph.patch import check_rebind, rebind_command, resolve_all
 from hcqa.actors import Batch
 from hcqa.devices.buffer import hazard_waits
+from hcqa.devices.capture import capturing, current_capture
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, Variable, VarVals, variables_of

@@ -32,10 +32,10 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa._capture import current_capture
-from hcqa._patch import CommandSlot
+from hcqa._graph.patch import CommandSlot
 from hcqa._signals.parking import _check_target
 from hcqa.devices.buffer import Buffer
+from hcqa.devices.capture import current_capture
 from hcqa.errors import InvalidCommand, QueueFull
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve, variables_of

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hcqa import _benchrun, cli
+from hcqa import cli
+from hcqa.cli import _benchrun
 
 
 def _boom(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hcqa import demo
+from hcqa.cli import demo
 from hcqa.cli import main as cli_main
 
 V = {"cores": 2, "load": 0.5, "blas_limited": True}
@@ -112,7 +112,7 @@ class _Tty(io.StringIO):
 
 
 def test_the_progress_display_draws_only_on_a_terminal() -> None:
-    from hcqa._console import progress
+    from hcqa.cli._console import progress
 
     pipe = io.StringIO()
     with progress("warming up", 4, stream=pipe) as bar:

@@ -404,7 +404,7 @@ def _synthetic(n_flows: int, n_workers: int) -> dict[str, Any]:
         {"ph": "M", "name": "thread_name", "pid": 3, "tid": 2, "args": {"name": "cpu:1 compute"}},
     ]
     for w in range(n_workers):
-        name = "hcqa.demo.drive.<locals>.worker"
+        name = "hcqa.cli.demo.drive.<locals>.worker"
         ev.append(
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 10 + w, "args": {"name": name}}
         )
@@ -461,8 +461,9 @@ def test_plot_rows_are_readable_and_distinct(tmp_path: Path) -> None:
     tasks = info.rows[2:]
     assert len(tasks) == 5 == info.tasks_shown and info.tasks_total == 8
     assert len(set(tasks)) == len(tasks), tasks  # no two rows read alike
-    assert all("<locals>" not in r and r.startswith("worker (hcqa.demo.drive) #") for r in tasks)
-    assert tasks[0].startswith("worker (hcqa.demo.drive) #8")  # the busiest task first
+    label = "worker (hcqa.cli.demo.drive) #"
+    assert all("<locals>" not in r and r.startswith(label) for r in tasks)
+    assert tasks[0].startswith("worker (hcqa.cli.demo.drive) #8")  # the busiest task first
     assert "3 quieter trio tasks not shown" in info.title
     assert info.legend == ("layers_a", "layers_b", "trio task step", "cross-queue wait")
 
@@ -489,7 +490,7 @@ def test_plot_states_its_flow_cap(
 
 
 def test_plot_samples_flows_over_the_whole_trace() -> None:
-    from hcqa._traceview import _pick
+    from hcqa.trace.view import _pick
 
     picked = _pick(632, 200)
     assert len(picked) == 200 and picked[0] == 0 and picked[-1] == 631  # not the first 200

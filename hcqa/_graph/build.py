@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from hcqa import commands as cmd
-from hcqa._patch import CommandSlot, RunSlot, buffers_of, symbols_of
+from hcqa._graph.patch import CommandSlot, RunSlot, buffers_of, symbols_of
 from hcqa.devices.crunner import fuse_runs
 
 if TYPE_CHECKING:

@@ -55,7 +55,7 @@ Handler = Callable[[Any], None]
 _EXEC = cmd.Exec
 _SIGNAL = cmd.Signal
 
-# Tracing hook (set by hcqa/trace.py while a Tracer records device activity, else None).
+# Tracing hook (set by hcqa/trace/ while a Tracer records device activity, else None).
 # The engine reads it once per run: ``trace_hook.engine_run(engine, run, table)`` returns
 # the handler table to use for that run (the same handlers, wrapped to record time ranges).
 trace_hook: Any = None

@@ -123,19 +123,19 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    from hcqa import demo
+    from hcqa.cli import demo
 
     demo.configure(parser)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from hcqa import demo
+    from hcqa.cli import demo
 
     return demo.run(args)
 
 
 def _configure_bench(parser: argparse.ArgumentParser) -> None:
-    from hcqa._benchrun import BENCHES
+    from hcqa.cli._benchrun import BENCHES
 
     parser.add_argument(
         "--quick", action="store_true", help="short runs: indicative only, never judge targets"
@@ -151,11 +151,11 @@ def _configure_bench(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    """Run each ``bench/bench_*.py`` of the checkout (``hcqa._benchrun``); one table of every
+    """Run each ``bench/bench_*.py`` of the checkout (``hcqa.cli._benchrun``); one table of every
     target's verdict. Exit 1 when a full run missed a target or a benchmark failed."""
     from pathlib import Path
 
-    from hcqa._benchrun import BENCHES, find_checkout, run_benches, summary
+    from hcqa.cli._benchrun import BENCHES, find_checkout, run_benches, summary
 
     root = find_checkout()
     if root is None:

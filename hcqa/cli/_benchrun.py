@@ -186,7 +186,7 @@ def run_benches(
     progress_enabled: bool = True,
 ) -> tuple[list[Outcome], Path]:
     """Run ``names`` one after the other, with a progress display; (outcomes, reports dir)."""
-    from hcqa._console import progress
+    from hcqa.cli._console import progress
 
     folder = reports if reports is not None else Path(tempfile.mkdtemp(prefix="hcqa-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -222,7 +222,7 @@ def run_benches(
 
 def summary(outcomes: Sequence[Outcome], *, quick: bool, reports: Path) -> tuple[str, bool]:
     """(the summary table as text, whether a full run failed: a MISSED target or a crash)."""
-    from hcqa._console import render, table
+    from hcqa.cli._console import render, table
 
     rows: list[list[str]] = []
     failed = False

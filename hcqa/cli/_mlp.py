@@ -1,8 +1,8 @@
 """The demo's model and drivers: an MLP as a two-stage pipeline, timed against one device.
 
-Theory of operation: see :mod:`hcqa.demo`, the command built on these pieces (which also
+Theory of operation: see :mod:`hcqa.cli.demo`, the command built on these pieces (which also
 re-exports them, for ``bench.bench_pipeline`` and for worker processes, which load the stage
-factory as ``"hcqa.demo:mlp_stage"``).
+factory as ``"hcqa.cli.demo:mlp_stage"``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import trio
 import hcqa
 
 if TYPE_CHECKING:
-    from hcqa._console import Bar
+    from hcqa.cli._console import Bar
 
 __all__ = [
     "F32",
@@ -59,6 +59,7 @@ class MlpSpec:
 
 FULL = MlpSpec(batches=128, batch_size=256, hidden=1024)  # about 5-10 s on 2 cores
 QUICK = MlpSpec(batches=8, batch_size=32, hidden=128)
+STAGE = "hcqa.cli.demo:mlp_stage"  # the process stages' factory, as worker processes import it
 
 
 def make_weights(spec: MlpSpec) -> list[F32]:
@@ -316,8 +317,8 @@ async def run_processes(
     b, h = spec.batch_size, spec.hidden
     common = {"path": path, "layout": [list(x) for x in layout], "batch": b, "hidden": h}
     stages = [
-        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": 0, "last": half}),
-        ProcessStage(fn="hcqa.demo:mlp_stage", args={**common, "first": half, "last": spec.layers}),
+        ProcessStage(fn=STAGE, args={**common, "first": 0, "last": half}),
+        ProcessStage(fn=STAGE, args={**common, "first": half, "last": spec.layers}),
     ]
     async with hcqa.open_device("cpu:0") as d0:
         params = await load_params(d0, path, layout, range(spec.layers), h)

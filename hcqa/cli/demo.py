@@ -58,7 +58,7 @@ import numpy as np
 import trio
 
 import hcqa
-from hcqa._mlp import (
+from hcqa.cli._mlp import (
     F32,
     FULL,
     QUICK,
@@ -210,7 +210,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(args: argparse.Namespace) -> MlpSpec:
-    from hcqa.cli import CliError
+    from hcqa.cli._base import CliError
 
     base = QUICK if args.quick else FULL
     spec = MlpSpec(
@@ -245,7 +245,7 @@ def _one_blas_thread() -> tuple[Callable[[], contextlib.AbstractContextManager[o
 
 
 def run(args: argparse.Namespace) -> int:
-    from hcqa._console import progress
+    from hcqa.cli._console import progress
 
     spec = _spec(args)
     out = sys.stdout

@@ -36,10 +36,10 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa._capture import current_capture
 from hcqa.actors import Engine, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
+from hcqa.devices.capture import current_capture
 from hcqa.devices.faults import Faults
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program

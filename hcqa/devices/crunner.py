@@ -24,7 +24,7 @@ are packed once. A kernel whose vals (or launch geometry, for ``geometry=True``
 kernels) hold Variables is fused too: its table entries are *symbolic* -- listed with
 the expression and the C range they must fit -- and a graph replay fills them into a
 fresh copy of the table (one numpy assignment per distinct expression, see
-``hcqa/_patch.py``), so a symbolic run stays one native call. Buffer addresses are
+``hcqa/_graph/patch.py``), so a symbolic run stays one native call. Buffer addresses are
 listed as well (``refs``), so a replay on other buffers rebinds them the same way.
 """
 

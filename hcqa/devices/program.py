@@ -364,7 +364,7 @@ class Program:
     ) -> float:
         """Run the program once and return its kernel time in seconds, from the device
         timestamps written just before and just after it."""
-        from hcqa._capture import current_capture
+        from hcqa.devices.capture import current_capture
 
         if current_capture() is not None:
             raise InvalidCommand(f"{self.name!r}.timed() can't be captured: call the program")

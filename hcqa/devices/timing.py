@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa._capture import current_capture
+from hcqa.devices.capture import current_capture
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Signal
 

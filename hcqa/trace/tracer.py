@@ -27,7 +27,7 @@ JSON when the file is written:
 Past ``max_events`` events are dropped and counted (``otherData.dropped_events``).
 ``save()`` (and ``after_run``) writes the file and stops device recording; a later
 trio hook of a still-installed tracer resumes it. One tracer records device work at
-a time. ``summarize``/``plot`` (in ``_traceview.py``) read a trace back (``hcqa trace
+a time. ``summarize``/``plot`` (in ``view.py``) read a trace back (``hcqa trace
 summary|plot``);
 ``instruments_from_env()`` is ``[Tracer($HCQA_TRACE)]`` or ``[]``, for ``trio.run``.
 """
@@ -48,19 +48,12 @@ from typing import Any
 
 import trio
 
+from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.errors import InvalidCommand
 
-__all__ = [
-    "PlotInfo",
-    "TraceFormatError",
-    "Tracer",
-    "instruments_from_env",
-    "load",
-    "plot",
-    "summarize",
-]
+__all__ = ["TRIO_PID", "Tracer", "instruments_from_env"]
 
 _now = time.monotonic_ns
 _BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step})
@@ -378,6 +371,4 @@ def instruments_from_env(environ: Mapping[str, str] | None = None) -> list[trio.
     return [Tracer(path)] if path else []
 
 
-# -- reading traces back (hcqa/_traceview.py) ----------------------------------------------
-
-from hcqa._traceview import PlotInfo, TraceFormatError, load, plot, summarize  # noqa: E402
+aio.default_instruments = instruments_from_env  # asyncio hosts trace per $HCQA_TRACE too

@@ -1,4 +1,4 @@
-"""Reading traces back: ``hcqa trace summary`` and ``hcqa trace plot`` (re-exported by trace.py).
+"""Reading traces back: ``hcqa trace summary`` and ``hcqa trace plot`` (re-exported by hcqa.trace).
 
 Theory of operation
 -------------------
@@ -14,7 +14,7 @@ trio process (the one named ``"trio"``, else pid 1) holds a track per task, ever
 process is a device with a track per queue.
 
 :func:`summarize` gives per-queue busy time, per-program counts and times, copy bandwidth and
-the busiest trio tasks, as plain-text tables (``hcqa._console``); a table with no rows is
+the busiest trio tasks, as plain-text tables (``_tables.py``); a table with no rows is
 left out, and a trace with no device work says so in one line.
 
 :func:`plot` draws one figure: the device queues on top (bars coloured by program, the busy
@@ -200,7 +200,7 @@ def _unique(labels: Sequence[str]) -> list[str]:
 
 def summarize(doc: Mapping[str, Any], *, max_tasks: int = 8) -> str:
     """Per-queue busy time, per-program times, copy bandwidth, the busiest trio tasks; text."""
-    from hcqa._console import render, table
+    from hcqa.trace._tables import render, table
 
     v = _view(doc)
     if not v.ranges:
