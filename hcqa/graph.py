@@ -20,7 +20,7 @@ At the end of the block the graph is *built*, once (``_graph/build.py`` tells ho
   (they count on from wherever the queue's signal is at replay time) and
   commands with variables (only those: a static command of a batch that also has a
   symbolic one stays static). Consecutive C kernels on a cpu device are fused into
-  one native runner call (``crunner.py``), those with variables too: their entries
+  one native runner call (``devices/cpu/crunner.py``), those with variables too: their entries
   of the runner's argument table are filled per replay.
 
 Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves each distinct

@@ -1,4 +1,4 @@
-"""Tests for hcqa.devices.compiler: C signature parsing, compiling, caching, calling."""
+"""Tests for hcqa._native.compiler: C signature parsing, compiling, caching, calling."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hcqa.devices.compiler import CKernel, CParam, compile_c, parse_signature
+from hcqa._native.compiler import CKernel, CParam, compile_c, parse_signature
 from hcqa.errors import InvalidCommand
 
 ADD1 = """

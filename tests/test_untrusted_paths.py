@@ -18,7 +18,7 @@ import trio
 
 import hcqa
 from hcqa import InvalidCommand
-from hcqa.devices.compiler import compile_c
+from hcqa._native.compiler import compile_c
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown to another user")
@@ -32,7 +32,7 @@ def _source(tag: str, delta: str = "1.0f") -> str:
     )
 
 
-def _run(kernel: hcqa.devices.compiler.CKernel) -> float:
+def _run(kernel: hcqa._native.compiler.CKernel) -> float:
     a = np.zeros(4, np.float32)
     out = np.empty(4, np.float32)
     kernel.fn(out.ctypes.data_as(ctypes.c_void_p), a.ctypes.data_as(ctypes.c_void_p), 4)

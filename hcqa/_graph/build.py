@@ -40,7 +40,7 @@ import attrs
 
 from hcqa import commands as cmd
 from hcqa._graph.patch import CommandSlot, RunSlot, buffers_of, symbols_of
-from hcqa.devices.crunner import fuse_runs
+from hcqa.devices.cpu.crunner import fuse_runs
 
 if TYPE_CHECKING:
     from hcqa.actors import QueueActor

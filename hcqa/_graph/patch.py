@@ -31,7 +31,7 @@ import numpy as np
 
 from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.crunner import RunC, wrap64
+from hcqa.devices.cpu.crunner import RunC, wrap64
 from hcqa.errors import InvalidCommand
 from hcqa.variables import Expr, IntLike, Variable, resolve
 

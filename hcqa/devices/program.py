@@ -50,8 +50,8 @@ from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, IntLike, Variable
 
 if TYPE_CHECKING:
+    from hcqa._native.compiler import CKernel
     from hcqa.devices.base import Device
-    from hcqa.devices.compiler import CKernel
 
 __all__ = ["Program"]
 

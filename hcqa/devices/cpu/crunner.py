@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from hcqa.devices.compiler import CKernel, compile_c
+from hcqa._native.compiler import CKernel, compile_c
 
 __all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "wrap64"]
 

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 A cpu device's "hardware" is its two engine threads. The compute engine runs
 programs: a Python callable gets numpy views of its buffers and the int vals;
-a C kernel (compiled once by the system compiler, see ``compiler.py``) gets
+a C kernel (compiled once by the system compiler, see ``hcqa/_native/compiler.py``) gets
 the buffers' addresses and the int vals through ctypes. Both release the GIL
 for the heavy part (numpy, ctypes), so two cpu devices compute in parallel and
 the event loop keeps running.
@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hcqa import commands as cmd
+from hcqa._native.compiler import compile_c
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.compiler import compile_c
-from hcqa.devices.crunner import RunC
+from hcqa.devices.cpu.crunner import RunC
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand

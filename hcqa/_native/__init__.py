@@ -1,0 +1,10 @@
+"""Native code hcqa builds for itself: the C compiler and its on-disk cache.
+
+* ``compiler.py`` -- ``compile_c(source, entry)``: parse the entry's signature, compile
+  with the system compiler into a private, content-addressed cache (``$HCQA_CACHE_DIR``,
+  else ``~/.cache/hcqa/kernels``), load with ctypes.
+
+It sits at the bottom, beside :mod:`hcqa.errors` (the only hcqa module it imports), so
+any layer that needs a piece of C -- the cpu backend's kernels and native runner, the
+native engine lane, another backend's completion callback -- can build it.
+"""
