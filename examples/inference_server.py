@@ -1,8 +1,8 @@
 """An async inference server with hcqa: your own two-stage pipeline, served over HTTP.
 
 Stage 1 (on ``cpu:0``) standardises each row of a batch; stage 2 (on ``cpu:1``) is a linear
-classifier with a softmax. ``hcqa.serve.serve`` runs a Starlette app under hypercorn's trio
-worker in the same trio run as the devices: single samples from concurrent clients are
+classifier with a softmax. ``hcqa.serve.serve`` runs a Starlette app under hcqa's HTTP
+server in the same trio run as the devices: single samples from concurrent clients are
 batched dynamically (``hcqa.open_batcher``) into the pipeline's batches of ``BATCH`` rows,
 while ``GET /health`` and ``GET /metrics`` keep answering at once. SIGTERM or Ctrl-C drains:
 the server stops accepting, finishes the requests in flight, and the script exits 0.

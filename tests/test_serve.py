@@ -369,7 +369,7 @@ async def test_missing_hypercorn_names_the_extra(monkeypatch: pytest.MonkeyPatch
     async with hcqa.open_device("cpu:0") as d:
         pipe = hcqa.Pipeline([(d, double)], in_shape=(2,))
         with pytest.raises(ImportError, match=r"pip install -e '\.\[serve\]'"):
-            await serve(pipe, port=0)
+            await serve(pipe, port=0, http="hypercorn")
 
 
 def test_cli_serve_reports_a_busy_port_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

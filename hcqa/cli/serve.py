@@ -96,6 +96,12 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add(
+        "--http",
+        choices=("hcqa", "hypercorn"),
+        default="hcqa",
+        help="the HTTP server: hcqa's lean HTTP/1.1 one, or hypercorn (default: %(default)s)",
+    )
+    add(
         "--model",
         type=_model,
         action="append",
@@ -129,7 +135,10 @@ def run_serve(args: argparse.Namespace) -> int:
     import importlib.util
     import signal
 
-    for module in ("hypercorn", "starlette", "prometheus_client"):
+    needed = ("starlette", "prometheus_client") + (
+        ("hypercorn",) if args.http == "hypercorn" else ()
+    )
+    for module in needed:
         if importlib.util.find_spec(module) is None:
             raise CliError(f"hcqa serve needs {module}: {install_hint('serve')}")
     import trio
@@ -198,6 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             grace_period=args.grace_period,
                             access_log=None if args.access_log == "none" else args.access_log,
                             shutdown_trigger=stop.wait,
+                            http=args.http,
                             task_status=task_status,
                         )
                         nursery.cancel_scope.cancel()  # drained: stop watching for signals

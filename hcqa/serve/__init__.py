@@ -1,13 +1,14 @@
-"""An async inference server: Starlette on trio (through anyio) under hypercorn.
+"""An async inference server: Starlette on trio (through anyio) under hcqa's HTTP server.
 
 Theory of operation
 -------------------
 :func:`make_app` builds a Starlette app around a :class:`~hcqa.Pipeline` (or a
 :class:`~hcqa.ProcessPipeline`) and, optionally, a :class:`~hcqa.Batcher` over it;
-:func:`serve` opens the batcher, runs the app under hypercorn's trio worker in the
-current trio run, and drains on a shutdown trigger. The HTTP server, the batcher's
-collector, the pipeline's queue actors and the devices' wake-ups share one event loop;
-the kernels run in engine threads (or worker processes), so the loop only routes.
+:func:`serve` opens the batcher, runs the app under :mod:`hcqa.serve.http` (a lean
+HTTP/1.1 server on trio; hypercorn's trio worker on request) in the current trio run, and
+drains on a shutdown trigger. The HTTP server, the batcher's collector, the pipeline's
+queue actors and the devices' wake-ups share one event loop; the kernels run in engine
+threads (or worker processes), so the loop only routes.
 
 ``POST /infer`` reads the body (bounded: 413 past ``max_body``), decodes it
 (:mod:`hcqa.serve.inputs`: one sample or a batch, JSON or raw bytes, plain-language 400s)
@@ -24,7 +25,7 @@ does to its batch). ``max_pending`` bounds the ``/infer`` requests admitted at o
 one more gets ``503`` at once instead of queueing.
 
 Draining: when the shutdown trigger fires (``hcqa serve`` wires it to SIGTERM and
-SIGINT), hypercorn closes the listening sockets, lets requests in flight finish for up to
+SIGINT), the HTTP server closes the listening sockets, lets requests in flight finish for up to
 ``grace_period`` seconds and closes idle keep-alive connections; then the batcher drains
 and :func:`serve` returns.
 
@@ -38,9 +39,10 @@ server (uvicorn); the pipeline and batcher it awaits are hcqa's.
 
 Where each part lives: :mod:`hcqa.serve.app` (the routes and their errors),
 :mod:`hcqa.serve.inputs` (request bodies to arrays), :mod:`hcqa.serve.metrics` (counters,
-histograms and the scrape-time collector), :mod:`hcqa.serve.server` (hypercorn, draining,
-the demo MLP). ``import hcqa.serve`` needs starlette and prometheus-client; hypercorn is
-imported on the first :func:`serve`.
+histograms and the scrape-time collector), :mod:`hcqa.serve.server` (choosing the HTTP server,
+draining, the demo MLP), :mod:`hcqa.serve.http` (the HTTP/1.1 server), :mod:`hcqa.serve.v2`
+and :mod:`hcqa.serve.tensors` (the Open Inference Protocol). ``import hcqa.serve`` needs
+starlette and prometheus-client; hypercorn is imported only by ``serve(http="hypercorn")``.
 """
 
 from __future__ import annotations

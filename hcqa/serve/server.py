@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from hcqa.devices.base import Device
 from hcqa.errors import InvalidCommand, install_hint, sole_error
 from hcqa.pipeline import Pipeline, Stage
 from hcqa.serve.app import _largest, make_app
+from hcqa.serve.http import serve_http
 from hcqa.serve.v2 import Model
 
 __all__ = ["mlp_pipeline", "serve"]
@@ -50,6 +52,7 @@ async def serve(
     log_level: str = "WARNING",
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     hypercorn_options: Mapping[str, Any] | None = None,
+    http: str | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled or drained.
@@ -68,25 +71,28 @@ async def serve(
     ``access_log``: ``"-"`` for stdout, a file path, or None. A single startup error
     (``OSError`` for a port in use) is raised unwrapped. ``hypercorn_options`` sets more
     attributes of hypercorn's ``Config`` (``certfile``, ``keep_alive_timeout``, ...).
+
+    ``http``: the HTTP server: ``"hcqa"`` (:mod:`hcqa.serve.http`, lean HTTP/1.1, the
+    default) or ``"hypercorn"`` (TLS, HTTP/2; the default when ``hypercorn_options`` are
+    given).
     """
-    try:
-        from hypercorn.config import Config
-        from hypercorn.trio import serve as hypercorn_serve
-    except ImportError as exc:
-        raise ImportError(f"hcqa.serve needs hypercorn: {install_hint('serve')}") from exc
+    http = http or ("hypercorn" if hypercorn_options else "hcqa")
+    if http not in ("hcqa", "hypercorn"):
+        raise InvalidCommand(f"'http' must be 'hcqa' or 'hypercorn' (got {http!r})")
+    if hypercorn_options and http != "hypercorn":
+        raise InvalidCommand("hypercorn_options need http='hypercorn'")
     if not (isinstance(grace_period, int | float) and 0 <= grace_period < math.inf):
         raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
-    config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.loglevel = log_level
-    config.graceful_timeout = float(grace_period)
-    if access_log is not None:
-        config.accesslog = _access_logger(access_log)
-        config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
-    for key, value in (hypercorn_options or {}).items():
-        if not hasattr(config, key):
-            raise TypeError(f"hypercorn's Config has no option {key!r}")
-        setattr(config, key, value)
+    if http == "hypercorn":
+        start: Any = _hypercorn(host, port, grace_period, access_log, log_level, hypercorn_options)
+    else:
+        start = partial(
+            serve_http,
+            host=host,
+            port=port,
+            grace_period=float(grace_period),
+            access_log=_access_logger(access_log) if access_log is not None else None,
+        )
     models = _models(pipeline, max_batch, max_wait)
     try:
         async with AsyncExitStack() as stack:
@@ -104,15 +110,44 @@ async def serve(
                 models=list(zip(models[1:], batchers[1:], strict=True)),
             )
             async with trio.open_nursery() as nursery:
-                start = hypercorn_serve
                 binds: list[str] = await nursery.start(
-                    lambda task_status: start(
-                        app, config, shutdown_trigger=shutdown_trigger, task_status=task_status
-                    )
+                    partial(start, app, shutdown_trigger=shutdown_trigger)
                 )
                 task_status.started(int(binds[0].rsplit(":", 1)[1]))
     except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
         raise sole_error(group) from None
+
+
+def _hypercorn(
+    host: str,
+    port: int,
+    grace_period: float,
+    access_log: str | None,
+    log_level: str,
+    options: Mapping[str, Any] | None,
+) -> Any:
+    """hypercorn's trio ``serve`` with its ``Config`` bound: ``start(app, shutdown_trigger=)``."""
+    try:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve as hypercorn_serve
+    except ImportError as exc:
+        raise ImportError(f"hcqa.serve needs hypercorn: {install_hint('serve')}") from exc
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.loglevel = log_level
+    config.graceful_timeout = float(grace_period)
+    if access_log is not None:
+        config.accesslog = _access_logger(access_log)
+        config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
+    for key, value in (options or {}).items():
+        if not hasattr(config, key):
+            raise TypeError(f"hypercorn's Config has no option {key!r}")
+        setattr(config, key, value)
+
+    def start(app: Any, **kwargs: Any) -> Any:
+        return hypercorn_serve(app, config, **kwargs)
+
+    return start
 
 
 def _access_logger(target: str) -> logging.Logger:
