@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -204,6 +205,30 @@ def _configure_trace(parser: argparse.ArgumentParser) -> None:
     )
     plot.add_argument("--max-flows", type=int, default=200, help="the sample's size (default 200)")
     plot.add_argument("--max-tasks", type=int, default=8, help="trio task rows (default 8)")
+    plot.add_argument(
+        "--from",
+        dest="start_ms",
+        type=_time_ms,
+        metavar="TIME",
+        help="zoom: start at TIME since the trace's first range, as on the plot's axis "
+        "(4.2s, 350ms, 120us; a bare number is ms)",
+    )
+    plot.add_argument(
+        "--to", dest="end_ms", type=_time_ms, metavar="TIME", help="zoom: end at TIME"
+    )
+    plot.add_argument(
+        "--region", metavar="NAME", help="zoom on a region of the trace (hcqa.trace.region)"
+    )
+
+
+def _time_ms(text: str) -> float:
+    """``--from`` / ``--to``: a time with an optional unit (s, ms, us), in ms."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*(s|ms|us|µs)?\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a time such as 4.2s, 350ms or 120us (got {text!r})"
+        )
+    return float(m[1]) * {"s": 1e3, "ms": 1.0, "us": 1e-3, "µs": 1e-3}[m[2] or "ms"]
 
 
 def _run_trace(args: argparse.Namespace) -> int:
@@ -217,6 +242,7 @@ def _run_trace(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read trace {args.file!r}: {exc.strerror or exc}") from exc
     if args.action == "summary":
         _out(trace.summarize(doc))
+        _out(f"\n{_PERFETTO.format(file=args.file)}")
         return 0
     for name in ("max_flows", "max_tasks"):
         if getattr(args, name) < 0:
@@ -226,11 +252,38 @@ def _run_trace(args: argparse.Namespace) -> int:
     except ImportError:
         raise CliError(f"trace plot needs matplotlib: {install_hint('plot')}") from None
     out = args.output or f"{os.path.splitext(args.file)[0]}.png"
-    info = trace.plot(
-        doc, out, flows=args.flows, max_flows=args.max_flows, max_tasks=args.max_tasks
-    )
+    try:
+        info = trace.plot(
+            doc,
+            out,
+            flows=args.flows,
+            max_flows=args.max_flows,
+            max_tasks=args.max_tasks,
+            start_ms=args.start_ms,
+            end_ms=args.end_ms,
+            region=args.region,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc).replace("'region'", "--region")) from exc
     _out(f"wrote {out}: {info.title.replace(chr(10), '; ')}")
+    if info.regions:
+        _out(f"regions: {', '.join(dict.fromkeys(info.regions))} (zoom on one with --region NAME)")
+    if info.busy_share < SPARSE:
+        _out(
+            f"the device queues were busy {100 * info.busy_share:.1f}% of the plotted "
+            f"{info.window[1] - info.window[0]:.6g} ms: the work is in short bursts, too thin "
+            "to see at this scale; zoom in with --from TIME --to TIME (as on the axis: "
+            "--from 4.2s --to 4.5s) or --region NAME"
+        )
+    _out(_PERFETTO.format(file=args.file))
     return 0
+
+
+SPARSE = 0.05  # below this busy share of the plotted time, the plot says how to zoom in
+_PERFETTO = (
+    "to zoom, pan and inspect every event: open {file} at https://ui.perfetto.dev ('Open trace "
+    "file'; it is read in your browser, not uploaded)"
+)
 
 
 COMMANDS: dict[str, Command] = {

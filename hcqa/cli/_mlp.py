@@ -18,6 +18,7 @@ import numpy.typing as npt
 import trio
 
 import hcqa
+from hcqa.trace import region
 
 if TYPE_CHECKING:
     from hcqa.cli._console import Bar
@@ -230,6 +231,7 @@ async def _timed(
     bar: Bar,
     warm: int,
     warm_seconds: float = 0.0,
+    names: tuple[str, str] = ("pipeline", "1 device"),
 ) -> tuple[list[F32], list[F32], list[float], list[float]]:
     """Warm both sides up, then time them A B B A; (pipe outs, seq outs, pipe s, seq s), the
     seconds per half (the first half's pair, then the second's).
@@ -237,17 +239,22 @@ async def _timed(
     The warm-up runs ``warm`` microbatches through each side, again and again until that side
     has run for ``warm_seconds`` (at most ``WARM_PASSES`` passes): a first run in a fresh
     process pays for first touches of pages and BLAS buffers, and the host's cores ramp up,
-    which would otherwise land in the timed run of whichever side goes first."""
+    which would otherwise land in the timed run of whichever side goes first.
+
+    Each part is a region of the trace (``hcqa.trace.region``) named after its side
+    (``names``: the pipeline's, the one device's), so a plot says which is which."""
     bar.describe("warming up")
+    shown = {"pipeline": names[0], "sequential": names[1]}
     for name, p in (("pipeline", pipe), ("sequential", seq)):
         spent = 0.0
-        for k in range(WARM_PASSES):
-            _, t = await drive(
-                p, xs[:warm], bar.advance if k == 0 else None, label=f"warm-up {name}"
-            )
-            spent += t
-            if spent >= warm_seconds:
-                break
+        with region(f"warm-up, {shown[name]}"):
+            for k in range(WARM_PASSES):
+                _, t = await drive(
+                    p, xs[:warm], bar.advance if k == 0 else None, label=f"warm-up {name}"
+                )
+                spent += t
+                if spent >= warm_seconds:
+                    break
     # A B B A: each side runs half the batches early and half late, so a drift in the host's
     # load (shared machines vary a lot) hits both alike.
     cut = len(xs) // 2
@@ -261,7 +268,8 @@ async def _timed(
         ("pipeline", cut, len(xs)),
     ):
         bar.describe(f"{name} {lo + 1}-{hi}")
-        got, t = await drive(sides[name], xs[lo:hi], bar.advance, label=f"{name} {lo + 1}-{hi}")
+        with region(f"{shown[name]} {lo + 1}-{hi}", microbatches=[lo + 1, hi]):
+            got, t = await drive(sides[name], xs[lo:hi], bar.advance, label=f"{name} {lo + 1}-{hi}")
         outs[name] += got
         secs[name].append(t)
     return outs["pipeline"], outs["sequential"], secs["pipeline"], secs["sequential"]
@@ -285,7 +293,8 @@ async def run_threads(
     """The two stages on cpu:0 and cpu:1 against every layer on cpu:0, in this process."""
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
-        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds)
+        names = ("pipeline", "1 device")
+        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
     return Timed(
         got=got,
         want=want,
@@ -327,7 +336,8 @@ async def run_processes(
         )
         seq = hcqa.Pipeline([whole], in_shape=(b, h), depth=depth)
         async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
-            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds)
+            names = ("pipeline (processes)", "1 device")
+            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
             pids = ", ".join(str(w.pid) for w in pipe.workers)
     return Timed(
         got=got,

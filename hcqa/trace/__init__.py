@@ -2,7 +2,8 @@
 
 * ``tracer.py`` -- :class:`Tracer`, a trio Instrument that records trio task steps and the
   device work of every engine (through the engines' tracing hook) into one Chrome-trace
-  (Perfetto) JSON file; ``instruments_from_env()`` for ``trio.run``;
+  (Perfetto) JSON file; ``region(name)``, a named phase of the program on its own track;
+  ``instruments_from_env()`` for ``trio.run``;
 * ``view.py`` -- :func:`load`, :func:`summarize` and :func:`plot` (``hcqa trace summary|plot``);
 * ``_tables.py`` -- the plain-text tables the summary (and the command line) prints.
 
@@ -10,7 +11,7 @@ The core never imports this package: it emits events through hooks (``hcqa.actor
 trace_hook``; the asyncio host's instruments factory) that the tracer sets.
 """
 
-from hcqa.trace.tracer import TRIO_PID, Tracer, instruments_from_env
+from hcqa.trace.tracer import TRIO_PID, Tracer, instruments_from_env, region
 from hcqa.trace.view import PlotInfo, TraceFormatError, load, plot, summarize
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "instruments_from_env",
     "load",
     "plot",
+    "region",
     "summarize",
 ]

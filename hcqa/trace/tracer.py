@@ -24,6 +24,13 @@ JSON when the file is written:
   producer's range) with the ``f`` (middle of its own first range of the run), so
   every ``s`` has its later ``f``. A run with no range drops its pending flows.
 
+* **regions** (cat ``"region"``): ``with tracer.region("warm-up"):`` (or
+  ``hcqa.trace.region``, which finds the tracer recording this process) is one complete
+  event on a ``"regions"`` track of the trio process, from entry to exit, from any task or
+  thread. They name the phases of a program (the demo marks its warm-up, the pipeline and
+  the one-device run); Perfetto shows the track and ``hcqa trace plot`` shades and labels
+  them. Nest them or keep them one after another: one track holds them all.
+
 Past ``max_events`` events are dropped and counted (``otherData.dropped_events``).
 ``save()`` (and ``after_run``) writes the file and stops device recording; a later
 trio hook of a still-installed tracer resumes it. One tracer records device work at
@@ -42,7 +49,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -53,7 +60,7 @@ from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.errors import InvalidCommand
 
-__all__ = ["TRIO_PID", "Tracer", "instruments_from_env"]
+__all__ = ["TRIO_PID", "Tracer", "instruments_from_env", "region"]
 
 _now = time.monotonic_ns
 _BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step})
@@ -127,6 +134,7 @@ class Tracer(trio.abc.Instrument):
         self._tasks: dict[trio.lowlevel.Task, tuple[int, str]] = {}
         self._step_t0 = 0
         self._exiting: trio.lowlevel.Task | None = None
+        self._regions_tid = 0  # the "regions" track, made on the first region
 
     def start(self) -> None:
         """Start recording device activity (called by the trio hooks)."""
@@ -186,6 +194,28 @@ class Tracer(trio.abc.Instrument):
         if self._exiting is task:
             self._exiting = None
             self._tasks.pop(task, None)
+
+    @contextlib.contextmanager
+    def region(self, name: str, **args: Any) -> Iterator[None]:
+        """Record the ``with`` block as a range called ``name`` (``args`` go into the event) on
+        the trace's ``"regions"`` track: a phase of the program, which Perfetto shows and
+        ``hcqa trace plot`` shades and labels. Usable from any task or thread."""
+        _check_region(name)
+        t0 = _now()
+        try:
+            yield
+        finally:
+            t1 = _now()
+            if self._room(1):
+                tid = self._regions_tid or self._regions_track()
+                self._events.append(("X", TRIO_PID, tid, t0, t1 - t0, name, "region", args))
+
+    def _regions_track(self) -> int:
+        with self._lock:
+            if not self._regions_tid:
+                self._regions_tid = next(self._tids)
+                self._threads.append((TRIO_PID, self._regions_tid, "regions"))
+            return self._regions_tid
 
     def _instant(self, task: trio.lowlevel.Task, what: str) -> None:
         if self._room(1):
@@ -363,6 +393,22 @@ def _task_label(task: trio.lowlevel.Task) -> str:
         if actor is not None:
             return f"{actor.name} actor"
     return task.name
+
+
+def _check_region(name: object) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidCommand(f"a region's 'name' must be a non-empty str (got {name!r})")
+
+
+def region(name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
+    """``with hcqa.trace.region("warm-up"):`` records the block as a named range in the tracer
+    that records this process's device work (see :meth:`Tracer.region`); with no tracer
+    recording, it records nothing and costs next to nothing."""
+    tracer = _engine.trace_hook
+    if isinstance(tracer, Tracer):
+        return tracer.region(name, **args)
+    _check_region(name)
+    return contextlib.nullcontext()
 
 
 def instruments_from_env(environ: Mapping[str, str] | None = None) -> list[trio.abc.Instrument]:
