@@ -226,3 +226,19 @@ def test_hcqa_bench_outside_a_checkout_says_how_to_get_one(
     (checkout / "docs").mkdir()
     assert _benchrun.find_checkout(checkout / "docs") == checkout
     assert _benchrun.find_checkout(elsewhere) is None
+
+
+def test_output_into_a_pipe_that_closes_stops_quietly(tmp_path: Path) -> None:
+    # `hcqa ... | head -3`: head exits early and the next write hits a closed pipe. That is
+    # no error of the command's: no "BrokenPipeError" line, no traceback at exit.
+    proc = subprocess.Popen(
+        [_hcqa_script(), "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything: its first write fails
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 1)
+    assert err == ""

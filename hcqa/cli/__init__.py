@@ -339,6 +339,17 @@ def _debug_env() -> bool:
     return os.environ.get("HCQA_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what the closed pipe did
+    not take raises nothing at exit (as Python's docs on SIGPIPE advise)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``hcqa`` command line; returns the exit status."""
     import traceback
@@ -353,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         _out(f"{PROG}: interrupted", sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (hcqa trace summary FILE | head): stop quietly
+        _discard_stdout()
+        return 1
     except Exception as exc:  # one clear line; the traceback only on request
         show = getattr(args, "traceback", False) or _debug_env()
         if show:
