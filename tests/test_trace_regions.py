@@ -103,8 +103,8 @@ def test_the_demo_marks_which_part_is_which_and_the_plot_labels_it(
     doc = hcqa.trace.load(trace)
     names = [e["name"] for e in doc["traceEvents"] if e.get("cat") == "region"]
     assert names == [
-        "warm-up, pipeline",
-        "warm-up, 1 device",
+        "warm-up: pipeline",
+        "warm-up: 1 device",
         "pipeline 1-4",
         "1 device 1-4",
         "1 device 5-8",
@@ -126,7 +126,7 @@ def test_the_demo_marks_which_part_is_which_and_the_plot_labels_it(
     assert png.read_bytes()[:4] == b"\x89PNG"
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"wrote {png}: hcqa trace:")
-    assert lines[1].startswith("regions: warm-up, pipeline, warm-up, 1 device, pipeline 1-4,")
+    assert lines[1].startswith("regions: 'warm-up: pipeline', 'warm-up: 1 device', 'pipeline 1-4',")
     assert "https://ui.perfetto.dev" in lines[-1]
     info = hcqa.trace.plot(doc, tmp_path / "again.png")
     assert info.rows[0] == "regions" and info.regions == tuple(names)

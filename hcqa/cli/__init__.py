@@ -267,7 +267,8 @@ def _run_trace(args: argparse.Namespace) -> int:
         raise CliError(str(exc).replace("'region'", "--region")) from exc
     _out(f"wrote {out}: {info.title.replace(chr(10), '; ')}")
     if info.regions:
-        _out(f"regions: {', '.join(dict.fromkeys(info.regions))} (zoom on one with --region NAME)")
+        names = ", ".join(repr(n) for n in dict.fromkeys(info.regions))
+        _out(f"regions: {names} (zoom on one with --region NAME)")
     if info.busy_share < SPARSE:
         _out(
             f"the device queues were busy {100 * info.busy_share:.1f}% of the plotted "

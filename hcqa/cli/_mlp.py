@@ -247,7 +247,7 @@ async def _timed(
     shown = {"pipeline": names[0], "sequential": names[1]}
     for name, p in (("pipeline", pipe), ("sequential", seq)):
         spent = 0.0
-        with region(f"warm-up, {shown[name]}"):
+        with region(f"warm-up: {shown[name]}"):
             for k in range(WARM_PASSES):
                 _, t = await drive(
                     p, xs[:warm], bar.advance if k == 0 else None, label=f"warm-up {name}"

@@ -394,7 +394,7 @@ def _levels(regions: Sequence[Event]) -> list[int]:
     return levels
 
 
-def _fit(label: str, width_px: float, char_px: float = 5.2) -> str:
+def _fit(label: str, width_px: float, char_px: float = 6.5) -> str:
     """``label`` shortened with an ellipsis to fit ``width_px``; '' if not even 3 chars fit."""
     room = int((width_px - 6) / char_px)
     if room >= len(label):
