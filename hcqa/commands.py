@@ -18,24 +18,40 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
 from hcqa.signals import Signal as _Signal
 from hcqa.variables import IntLike
 
-if TYPE_CHECKING:
-    from hcqa.devices.buffer import Buffer
-    from hcqa.devices.program import Program
+
+class ProgramRef(Protocol):
+    """What a command names of a program (a :class:`~hcqa.devices.Program`): the commands
+    sit below the devices and name their types only through these protocols."""
+
+    name: str
+    kernel: Any  # its C kernel (``CKernel``), or None
+
+    def access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
+
+
+class BufferRef(Protocol):
+    """What a command names of a buffer (a :class:`~hcqa.devices.Buffer`)."""
+
+    device: Any
+    nbytes: int
+    va_addr: int
 
 __all__ = [
+    "BufferRef",
     "Command",
     "Copy",
     "Exec",
     "HostMemoryRef",
     "Load",
     "MemoryBarrier",
+    "ProgramRef",
     "Signal",
     "Step",
     "Timestamp",
@@ -77,8 +93,8 @@ class MemoryBarrier:
 class Exec:
     """Run ``program`` over ``buffers`` with int ``vals``."""
 
-    program: Program
-    buffers: tuple[Buffer, ...]
+    program: ProgramRef
+    buffers: tuple[BufferRef, ...]
     vals: tuple[IntLike, ...] = ()
     global_size: Size3 = (1, 1, 1)
     local_size: Size3 = (1, 1, 1)
@@ -110,7 +126,7 @@ class HostMemoryRef:
     keep: Any = attrs.field(repr=False)
 
 
-CopyEnd: TypeAlias = "Buffer | HostMemoryRef"
+CopyEnd: TypeAlias = "BufferRef | HostMemoryRef"
 
 
 @attrs.frozen(kw_only=True)
@@ -126,7 +142,7 @@ class Copy:
 class Load:
     """Read ``nbytes`` of the file ``path`` from ``offset`` into ``dest`` (copy_from_disk)."""
 
-    dest: Buffer
+    dest: BufferRef
     path: str
     offset: IntLike
     nbytes: IntLike

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import trio
@@ -224,7 +224,7 @@ class Graph:
                 s._check_queueable("replay")  # DeviceClosed, before anything is sent
         resolved = self._batches(bound, rebind)
         for part, _, _ in resolved:
-            part.actor.device._check_usable()
+            cast("Device", part.actor.device)._check_usable()
             for d in part.also:
                 d._check_usable()
             if part.actor.full:
@@ -246,7 +246,7 @@ class Graph:
         sink_fence: Fence | None = None
         for (part, batch, base), head in zip(resolved, heads, strict=True):
             q = part.actor
-            device = q.device
+            device = cast("Device", q.device)
             tail: list[Any] = []
             if q is self._plan.sink:
                 for other, final in finals.items():

@@ -24,7 +24,6 @@ Both return the :class:`~hcqa.signals.Fence` of the batch on the device timeline
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,8 +31,9 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa._graph.patch import CommandSlot
+from hcqa._graph.patch import CommandSlot, _check_copy_size
 from hcqa._signals.parking import _check_target
+from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.capture import current_capture
 from hcqa.errors import InvalidCommand, QueueFull
@@ -43,7 +43,6 @@ from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve, variables_
 if TYPE_CHECKING:
     from typing import Self
 
-    from hcqa.devices.base import Device
     from hcqa.devices.program import Program
 
 __all__ = ["Queue"]
@@ -143,9 +142,9 @@ class Queue:
         exec_ = prog.validate(bufs, vals, global_size, local_size)
         writes, reads = prog.access(len(exec_.buffers))
         for i in writes:
-            self._touch(self._writes, exec_.buffers[i])
+            self._touch(self._writes, bufs[i])
         for i in reads:
-            self._touch(self._reads, exec_.buffers[i])
+            self._touch(self._reads, bufs[i])
         symbolic = any(isinstance(v, _SYMBOLIC) for v in (*exec_.vals, *exec_.global_size))
         symbolic = symbolic or any(isinstance(v, _SYMBOLIC) for v in exec_.local_size)
         return self._add(exec_, symbolic)
@@ -261,60 +260,4 @@ class Queue:
         return f"<Queue {self.device.name} {self.kind}: {len(self._commands)} commands>"
 
 
-def _check_copy_size(nbytes: int, dest: Buffer, src: Buffer) -> None:
-    limit = min(dest.nbytes, src.nbytes)
-    if not 0 < nbytes <= limit:
-        raise InvalidCommand(
-            f"copy 'nbytes' must be in [1, {limit}] (dest has {dest.nbytes}, src has "
-            f"{src.nbytes} bytes) (got {nbytes})"
-        )
-
-
-def _resolve_command(
-    c: Any, var_vals: VarVals | None, values: Mapping[Any, int] | None = None
-) -> Any:
-    """``c`` with its symbolic ints resolved and checked. ``values``: the expressions'
-    values when the caller resolved each once already (a graph replay), else they are
-    resolved against ``var_vals`` here."""
-
-    def get(v: IntLike) -> int:
-        if isinstance(v, int):
-            return v
-        return values[v] if values is not None else resolve(v, var_vals)
-
-    t = type(c)
-    if t is cmd.Wait or t is cmd.Signal:
-        if isinstance(c.value, int):
-            return c
-        v = get(c.value)
-        if not 0 <= v < 2**64:
-            raise InvalidCommand(f"'value' must be in [0, 2**64 - 1] (got {v} from {c.value})")
-        return attrs.evolve(c, value=v)
-    if t is cmd.Exec:
-        prog = c.program
-        vals = tuple([get(v) for v in c.vals])
-        prog.check_vals(vals)
-        sizes = [c.global_size, c.local_size]
-        if not all([type(v) is int for v in (*sizes[0], *sizes[1])]):  # (else checked once)
-            for k, name in enumerate(("global_size", "local_size")):
-                dims = tuple([get(v) for v in sizes[k]])
-                if any([d < 1 for d in dims]):
-                    raise InvalidCommand(f"{name!r} must be positive (got {dims})")
-                sizes[k] = dims
-            prog.check_geometry(*sizes)  # refused where the kernel can't receive it
-        gs, ls = sizes
-        return cmd.Exec(  # not attrs.evolve: a resubmit rebuilds many of these
-            program=prog,
-            buffers=c.buffers,
-            vals=vals,
-            global_size=gs,
-            local_size=ls,
-            args=prog.c_args(c.buffers, vals, gs, ls),
-        )
-    if t is cmd.Copy:
-        if isinstance(c.nbytes, int):
-            return c
-        n = get(c.nbytes)
-        _check_copy_size(n, c.dest, c.src)
-        return attrs.evolve(c, nbytes=n)
-    return c
+Device._queue_class = Queue  # Device.compute_queue() / copy_queue() build these

@@ -53,6 +53,7 @@ from typing import Any, Literal
 import attrs
 
 from hcqa import commands as cmd
+from hcqa.actors.engine import Engine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import check_int
 from hcqa.devices.program import Program
@@ -288,8 +289,19 @@ class Injection:
         self.disarm()
 
 
+def _engine_thread(device: Device, queue: str) -> Engine:
+    """The queue's executor, which must be an engine thread (the cpu backend's kind)."""
+    engine = device._queues[queue].engine
+    if not isinstance(engine, Engine):
+        raise InvalidCommand(
+            f"{device.name} {queue} queue must run on an engine thread to inject faults "
+            f"(got a {type(engine).__name__})"
+        )
+    return engine
+
+
 def _inject(device: Device, command: type, exc: BaseException, count: int) -> Injection:
-    engine = device.copy.engine
+    engine = _engine_thread(device, "copy")
     table: dict[type, Callable[[Any], None]] = engine._table
     if command not in table:
         raise InvalidCommand(
@@ -349,7 +361,7 @@ def kill_engine(device: Device, queue: QueueKind = "compute", exc: ExcSpec = Non
     dev = _device(device)
     if queue not in ("compute", "copy"):
         raise InvalidCommand(f"'queue' must be 'compute' or 'copy' (got {queue!r})")
-    engine = dev._queues[queue].engine
+    engine = _engine_thread(dev, queue)
     error = _exception(exc, f"engine {engine.name!r} killed by hcqa.testing.kill_engine")
     if exc is None:
         error = EngineKilled(f"engine {engine.name!r} killed by hcqa.testing.kill_engine")

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import hcqa
-import hcqa.queue
+import hcqa._graph.patch
 import hcqa.variables
 from hcqa import InvalidCommand, Variable
 
@@ -218,7 +218,7 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
 ) -> None:
     binds = 0
     resolves = 0
-    real_bind, real_resolve = hcqa.variables._bind, hcqa.queue._resolve_command
+    real_bind, real_resolve = hcqa.variables._bind, hcqa._graph.patch._resolve_command
 
     def count_bind(var: Any, var_vals: Any) -> int:
         nonlocal binds
@@ -247,7 +247,7 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
                 py(a, vals=(n,))  # a Python kernel: a command slot
             assert g.statistics().native_runs == 1
             monkeypatch.setattr(hcqa.variables, "_bind", count_bind)
-            monkeypatch.setattr(hcqa.queue, "_resolve_command", count_resolve)
+            monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count_resolve)
             await g(n=4)
             assert (binds, resolves) == (1, 1)
             await g(n=4)  # unchanged: the slot's command is sent again as built
@@ -319,7 +319,7 @@ async def test_static_commands_stay_static_and_fused_next_to_a_symbolic_one() ->
 
 async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     resolves: list[str] = []
-    real = hcqa.queue._resolve_command
+    real = hcqa._graph.patch._resolve_command
 
     def count(c: Any, *args: Any) -> Any:
         resolves.append(type(c).__name__)
@@ -335,7 +335,7 @@ async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.Mon
             for _ in range(3):
                 q.exec(addk, (a, a), vals=(1, n))
             q.exec(addk, (a, a), vals=(1, 4)).signal(s, v)
-            monkeypatch.setattr(hcqa.queue, "_resolve_command", count)
+            monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count)
             await q.submit({n: 4, v: 1})
             assert resolves == ["Exec"] * 3 + ["Signal"]
             await q.submit({n: 4, v: 2})  # only the signal's value changed

@@ -33,7 +33,7 @@ from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu.crunner import RunC, wrap64
 from hcqa.errors import InvalidCommand
-from hcqa.variables import Expr, IntLike, Variable, resolve
+from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve
 
 __all__ = ["CommandSlot", "RunSlot", "buffers_of", "check_rebind", "rebind_command"]
 
@@ -106,8 +106,6 @@ class CommandSlot:
         self.last: Any = None
 
     def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> Any:
-        from hcqa.queue import _resolve_command
-
         key = tuple([values[s] for s in self.symbols])
         if rebind is None and key == self.key:
             return self.last
@@ -234,3 +232,65 @@ def check_rebind(
                 )
             seen.add(a)
     return out
+
+
+# -- resolving one command (a queue submit and a graph replay both come here) ----------------
+
+
+def _check_copy_size(nbytes: int, dest: Buffer, src: Buffer) -> None:
+    limit = min(dest.nbytes, src.nbytes)
+    if not 0 < nbytes <= limit:
+        raise InvalidCommand(
+            f"copy 'nbytes' must be in [1, {limit}] (dest has {dest.nbytes}, src has "
+            f"{src.nbytes} bytes) (got {nbytes})"
+        )
+
+
+def _resolve_command(
+    c: Any, var_vals: VarVals | None, values: Mapping[Any, int] | None = None
+) -> Any:
+    """``c`` with its symbolic ints resolved and checked. ``values``: the expressions'
+    values when the caller resolved each once already (a graph replay), else they are
+    resolved against ``var_vals`` here."""
+
+    def get(v: IntLike) -> int:
+        if isinstance(v, int):
+            return v
+        return values[v] if values is not None else resolve(v, var_vals)
+
+    t = type(c)
+    if t is cmd.Wait or t is cmd.Signal:
+        if isinstance(c.value, int):
+            return c
+        v = get(c.value)
+        if not 0 <= v < 2**64:
+            raise InvalidCommand(f"'value' must be in [0, 2**64 - 1] (got {v} from {c.value})")
+        return attrs.evolve(c, value=v)
+    if t is cmd.Exec:
+        prog = c.program
+        vals = tuple([get(v) for v in c.vals])
+        prog.check_vals(vals)
+        sizes = [c.global_size, c.local_size]
+        if not all([type(v) is int for v in (*sizes[0], *sizes[1])]):  # (else checked once)
+            for k, name in enumerate(("global_size", "local_size")):
+                dims = tuple([get(v) for v in sizes[k]])
+                if any([d < 1 for d in dims]):
+                    raise InvalidCommand(f"{name!r} must be positive (got {dims})")
+                sizes[k] = dims
+            prog.check_geometry(*sizes)  # refused where the kernel can't receive it
+        gs, ls = sizes
+        return cmd.Exec(  # not attrs.evolve: a resubmit rebuilds many of these
+            program=prog,
+            buffers=c.buffers,
+            vals=vals,
+            global_size=gs,
+            local_size=ls,
+            args=prog.c_args(c.buffers, vals, gs, ls),
+        )
+    if t is cmd.Copy:
+        if isinstance(c.nbytes, int):
+            return c
+        n = get(c.nbytes)
+        _check_copy_size(n, c.dest, c.src)
+        return attrs.evolve(c, nbytes=n)
+    return c

@@ -36,21 +36,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
-from hcqa.actors.engine import Engine
+from hcqa.actors.executor import Executor
 from hcqa.errors import DeviceClosed, HcqaError
 from hcqa.signals import Signal
 
-if TYPE_CHECKING:
-    from hcqa.devices.base import Device
+__all__ = ["Batch", "QueueActor", "QueueOwner", "QueueStatistics"]
 
-__all__ = ["Batch", "QueueActor", "QueueStatistics"]
+
+class QueueOwner(Protocol):
+    """What a queue actor needs of its device (a :class:`~hcqa.devices.Device`): the
+    actors sit below the devices and name them only through this."""
+
+    name: str
+    hang_limit: float
+    _error: BaseException | None
+
+    def _fault(self, exc: BaseException) -> None: ...
+
+    def _cancel(self) -> None: ...
+
+    def _hung_at_close(self, actor: QueueActor) -> None: ...
 
 
 @attrs.frozen
@@ -77,7 +89,9 @@ class QueueStatistics:
 class QueueActor:
     """The trio task behind one device queue (``kind`` is ``"compute"`` or ``"copy"``)."""
 
-    def __init__(self, device: Device, kind: str, engine: Engine, *, capacity: int) -> None:
+    def __init__(
+        self, device: QueueOwner, kind: str, engine: Executor, *, capacity: int
+    ) -> None:
         self.device = device
         self.kind = kind
         self.name = f"{device.name} {kind}"

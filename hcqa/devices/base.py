@@ -28,7 +28,7 @@ import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import attrs
 import numpy.typing as npt
@@ -36,7 +36,7 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
-from hcqa.actors import Engine, QueueActor, QueueStatistics
+from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
 from hcqa.devices.capture import current_capture
@@ -80,6 +80,9 @@ class Device(Faults):
     # True where running a C kernel is exactly calling it on the host: engines then call an
     # Exec's ready native call directly, and graphs may fuse runs of C kernels.
     native_runner: ClassVar[bool] = False
+    # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
+    # hcqa`` imports it): the device core sits below the builder and never imports it.
+    _queue_class: ClassVar[Callable[[Device, str], Queue]]
 
     def __init__(
         self,
@@ -96,7 +99,7 @@ class Device(Faults):
         self.hang_limit = hang_limit
         self.host_visible = host_visible
         self.inline_kernels = inline_kernels  # short repeat kernel calls may run inline
-        self.allocator = CachingAllocator(capacity=memory, name=name)
+        self.allocator = self._make_allocator(memory)
         self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -105,18 +108,39 @@ class Device(Faults):
         self._hung = False
         self._still_read = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
-        self.compute = QueueActor(self, "compute", self._engine("compute"), capacity=queue_depth)
-        self.copy = QueueActor(self, "copy", self._engine("copy"), capacity=queue_depth)
+        self.compute = QueueActor(self, "compute", self._executor("compute"), capacity=queue_depth)
+        self.copy = QueueActor(self, "copy", self._executor("copy"), capacity=queue_depth)
         self._queues = {"compute": self.compute, "copy": self.copy}
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
 
-    # -- what subclasses provide ---------------------------------------------------------
+    # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
-    def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
-        raise NotImplementedError
+    def _make_allocator(self, capacity: int) -> CachingAllocator:
+        """The device's memory: host memory, cached (``memory.py``), unless overridden."""
+        return CachingAllocator(capacity=capacity, name=self.name)
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
+        """Build a program from ``src`` now (options: ``entry``, ``writes``, ``reads``,
+        ``geometry``); refuse what this backend can't run with :class:`InvalidCommand`."""
+        raise NotImplementedError
+
+    def _executor(self, kind: str) -> Executor:
+        """What executes the runs of queue ``kind`` (``"compute"`` or ``"copy"``): by
+        default an engine thread dispatching through :meth:`_handlers`. A backend that
+        runs commands some other way returns its own :class:`~hcqa.actors.Executor`; it
+        must report failures through :meth:`_on_engine_fault` (see ``faults.py``)."""
+        return Engine(
+            f"{self.name} {kind}",
+            self._handlers(kind),
+            on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
+            native=self.native_runner,
+        )
+
+    def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
+        """The engine's handlers for queue ``kind``: ``Exec`` (compute), ``Copy`` and
+        ``Load`` (copy); the engine itself does ``Signal``, ``Timestamp``,
+        ``MemoryBarrier`` and ``Step``. Only used by the default :meth:`_executor`."""
         raise NotImplementedError
 
     def _inline(self, command: Any) -> bool:
@@ -225,15 +249,11 @@ class Device(Faults):
 
     def compute_queue(self) -> Queue:
         """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
-        from hcqa.queue import Queue
-
-        return Queue(self, "compute")
+        return Device._queue_class(self, "compute")
 
     def copy_queue(self) -> Queue:
         """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
-        from hcqa.queue import Queue
-
-        return Queue(self, "copy")
+        return Device._queue_class(self, "copy")
 
     def timed(self, *, queue: str = "compute") -> TimedSpan:
         """``async with d.timed() as span: ...``: the device time (``span.seconds``, from
@@ -276,14 +296,6 @@ class Device(Faults):
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("faulted" if self._error else "open")
         return f"<{type(self).__name__} {self.name} {state}>"
-
-    def _engine(self, kind: str) -> Engine:
-        return Engine(
-            f"{self.name} {kind}",
-            self._handlers(kind),
-            on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
-            native=self.native_runner,
-        )
 
     # -- the path of one enqueue ------------------------------------------------------------
 
@@ -368,14 +380,15 @@ class Device(Faults):
                         "(pass ints, or use a Queue with var_vals / hcqa.capture())"
                     )
         writes, reads = exec_.program.access(len(exec_.buffers))
+        bufs = cast("tuple[Buffer, ...]", exec_.buffers)  # checked by Program.validate
         commands: list[Any] = [exec_]
         if timed is not None:
             commands = [cmd.Timestamp(signal=timed[0]), exec_, cmd.Timestamp(signal=timed[1])]
         return self._submit(
             self.compute,
             commands,
-            reads=[exec_.buffers[i] for i in reads],
-            writes=[exec_.buffers[i] for i in writes],
+            reads=[bufs[i] for i in reads],
+            writes=[bufs[i] for i in writes],
             waits=False,
         )
 

@@ -22,7 +22,6 @@ than drained, and its timeout is not raised again.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,14 +30,13 @@ import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
+from hcqa.devices import backends
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, check_int
 from hcqa.errors import HcqaError, InvalidCommand
 from hcqa.signals import Fence
 
 __all__ = ["open_device", "open_devices", "transfer"]
-
-_SPEC = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def _default_memory() -> int:
@@ -49,31 +47,13 @@ def _default_memory() -> int:
 
 
 def _parse(spec: object) -> tuple[str, int, str]:
-    """(kind, index, name) of a device spec."""
-    if not isinstance(spec, str):
-        raise InvalidCommand(f"device spec must be a str like 'cpu:0' (got {type(spec).__name__})")
-    m = _SPEC.match(spec.strip())
-    if m is None:
-        hint = f"; did you mean '{spec.strip()}:0'?" if spec.strip() in ("cpu", "cuda") else ""
-        raise InvalidCommand(f"device spec must look like 'cpu:N' or 'cuda:N' (got {spec!r}{hint})")
-    kind, index = m.group(1), int(m.group(2))
-    return kind, index, f"{kind}:{index}"
+    """(kind, index, name) of a device spec (see ``backends.py``)."""
+    return backends.parse_spec(spec)
 
 
 def _make(spec: object, options: dict[str, Any]) -> Device:
     kind, _, name = _parse(spec)
-    if kind == "cuda":
-        try:
-            from hcqa.devices.cuda import CudaDevice  # type: ignore[import-not-found, unused-ignore]
-        except ImportError as exc:
-            raise InvalidCommand(
-                f"{name}: this hcqa has no CUDA device yet (only cpu:N); one is planned on "
-                f"NVIDIA's cuda-bindings ({exc})"
-            ) from exc
-        return CudaDevice(name, **options)  # type: ignore[no-any-return, unused-ignore]
-    from hcqa.devices.cpu import CpuDevice
-
-    return CpuDevice(name, **options)
+    return backends.device_class(kind, name)(name, **options)
 
 
 _OPTIONS = {

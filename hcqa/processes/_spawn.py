@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-import hcqa
 from hcqa.processes.ipc import PeerGone, check_peer, send_message
 
 __all__ = [
@@ -182,7 +181,7 @@ def spawn_worker(
     if blas_threads is not None:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(blas_threads)
-    pkg = os.path.dirname(os.path.abspath(hcqa.__file__))
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hcqa/
     config = {
         "fd": child.fileno(),
         "parent": os.getpid(),
