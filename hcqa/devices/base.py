@@ -3,10 +3,14 @@
 Theory of operation
 -------------------
 A device owns two :class:`~hcqa.actors.QueueActor` s (``compute`` and
-``copy``), each with its engine thread, one :class:`~hcqa.devices.timeline.Timeline`,
-an allocator and its programs. Everything a user calls -- ``prog(...)``,
-``buf.copyin``, ``hcqa.transfer``, ``Queue.submit`` -- ends in :meth:`Device._submit`,
-which runs on the caller's task and never blocks:
+``copy``), each with its executor (an engine thread on the cpu backend), one
+:class:`~hcqa.devices.timeline.Timeline`, an allocator and its programs. What a backend
+provides is the section "what a backend provides" below (docs/architecture.md, "The
+backend seam"); everything else here is the same for every backend.
+
+Everything a user calls -- ``prog(...)``, ``buf.copyin``, ``hcqa.transfer``,
+``Queue.submit`` -- ends in :meth:`Device._submit`, which runs on the caller's task and
+never blocks:
 
 1. check the device is open and not faulted (a fault is sticky and re-raised);
 2. add a ``Wait`` for each buffer hazard on another queue (see ``buffer.py``);
@@ -14,6 +18,23 @@ which runs on the caller's task and never blocks:
 4. ``send_nowait`` the batch to the queue's channel -- or, for a short copy on an
    idle queue with no hazard (``_inline``), run it at once on the caller's thread --
    record the hazards, and return the timeline's ``Fence`` for ``seq``.
+
+The path of one launch, ``fence = prog(out, a)``, hop by hop:
+
+* ``Program.__call__`` (``program.py``): a repeat of the last call reuses its checked
+  ``Exec`` (the launch record), else ``Program.validate`` checks types, devices, counts,
+  ranges and geometry and builds the ``Exec``;
+* ``Device._enqueue_exec`` (here): refuses an unbound variable, takes the buffers the
+  program reads and writes (``Program.access``), and calls
+* ``Device._submit`` (here): capture (the graph records the batch instead), the checks,
+  the hazard ``Wait`` s, ``Signal`` and ``Step``; then ``QueueActor.run_inline`` or
+  ``QueueActor.send_commands`` (``hcqa/actors/actor.py``), which hands a batch without
+  ``Wait`` s straight to the executor when the actor is idle, else queues it on the
+  channel, where the actor awaits each ``Wait`` and puts the runs between them;
+* the executor (``Engine._execute`` in ``hcqa/actors/engine.py`` for the cpu backend)
+  runs the ``Exec`` -- a C kernel's ready call, or the backend's handler -- then sets the
+  queue signal (``Signal._set_from_engine``) and completes the step
+  (``Timeline.complete``), which reaches the returned fence and wakes its waiter.
 
 Errors are sticky: the first fault (a kernel or copy raising in an engine, or a
 Wait that broke) is stored in ``_error`` and breaks the device's signals with
@@ -297,7 +318,7 @@ class Device(Faults):
         state = "closed" if self.closed else ("faulted" if self._error else "open")
         return f"<{type(self).__name__} {self.name} {state}>"
 
-    # -- the path of one enqueue ------------------------------------------------------------
+    # -- the path of one enqueue (the module doc follows one launch through it) -------------
 
     def _submit(
         self,
