@@ -5,7 +5,9 @@ classifier with a softmax. ``hcqa.serve.serve`` runs a Starlette app under hcqa'
 server in the same trio run as the devices: single samples from concurrent clients are
 batched dynamically (``hcqa.open_batcher``) into the pipeline's batches of ``BATCH`` rows,
 while ``GET /health`` and ``GET /metrics`` keep answering at once. SIGTERM or Ctrl-C drains:
-the server stops accepting, finishes the requests in flight, and the script exits 0.
+the server stops accepting, finishes the requests in flight, and the script exits 0 as soon as
+they are answered. A second signal stops at once: it cancels the scope around the devices,
+so work still queued on them is dropped rather than run.
 
     pip install -e '.[serve]'
     python examples/inference_server.py            # serves on http://127.0.0.1:8000
@@ -61,15 +63,19 @@ async def build_pipeline(d0: hcqa.Device, d1: hcqa.Device) -> hcqa.Pipeline:
 
 async def main(port: int) -> None:
     stop = trio.Event()
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    everything = trio.CancelScope()  # a second signal cancels it, devices included
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, everything:
         async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1), trio.open_nursery() as nursery:
             pipe = await build_pipeline(d0, d1)
 
             async def on_signal() -> None:
                 async for _ in signals:
+                    if stop.is_set():
+                        print("stopping now")
+                        everything.cancel()
+                        return
                     print("draining: finishing the requests in flight")
                     stop.set()
-                    return
 
             nursery.start_soon(on_signal)
             print(f"serving {pipe} on http://127.0.0.1:{port} (Ctrl-C drains and stops)")

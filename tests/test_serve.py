@@ -147,8 +147,7 @@ WANT = "one sample float32[3] or a batch float32[n, 3]"
         (b'{"inputs": "1,2,3"}', JSON, 400, [WANT, "got a string"]),
         (b'{"inputs": {"x": [1, 2, 3]}}', JSON, 400, [WANT, "got an object"]),
         (b'{"inputs": []}', JSON, 400, [WANT, "got shape [0]"]),
-        (b'{"inputs": [1, NaN, 3]}', JSON, 400, ["finite numbers", "got NaN"]),
-        (b'{"inputs": [1, 1e999999, 3]}', JSON, 200, []),  # inf is a float32
+        (b'{"inputs": [1, NaN, 3]}', JSON, 400, ["finite", "got NaN"]),
         (b'{"inputs": [1, 10' + b"0" * 400 + b", 3]}", JSON, 400, ["fit in float32"]),
         (b"[[1, 2, 3]]", JSON, 400, ['{"inputs": ...}', "got a list"]),
         (b'"inputs"', JSON, 400, ['{"inputs": ...}', "got a string"]),

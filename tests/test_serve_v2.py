@@ -286,6 +286,13 @@ NESTED_OK = _body(_inp([[1, 2, 3], [4, 5, 6]], [2, 3]))
             {},
             ["finite", "NaN"],
         ),
+        (_body(_inp([1, 1e39, 3], [1, 3])), {}, ["fit in FP32", "1e+39 at element 1"]),
+        (
+            b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3], '
+            b'"data": [1, 2, -1e400]}]}',
+            {},
+            ["fit in a 64-bit float", "got -1e400"],
+        ),
         (_body(_inp([1, 2, 3], [0, 3])), {}, ["batch size >= 1"]),
         (_body(_inp([1, 2, 3], [1, 3], parameters={"timeout": -1})), {}, ["'timeout'", ">= 0"]),
         (_body(_inp([1, 2, 3], [1, 3], parameters={"timeout": 0.5})), {}, ["microseconds"]),

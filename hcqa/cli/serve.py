@@ -3,7 +3,9 @@
 Arguments are parsed into checked values (a port, seconds, integers with a minimum) so a
 bad one is a one-line usage error before any device opens. The command opens ``cpu:0``
 and ``cpu:1``, builds the MLP and runs :func:`hcqa.serve.serve` with SIGINT and SIGTERM
-wired to a drain; a second signal stops at once (exit status 130)."""
+wired to a drain; a second signal stops at once (exit status 130): it cancels the scope
+around the devices, so they close by cancellation -- what is queued on them is dropped,
+not run."""
 
 from __future__ import annotations
 
@@ -58,6 +60,13 @@ def _model(text: str) -> tuple[str, int]:
     return name, _int_at_least(1)(width)
 
 
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text})")
+    return value
+
+
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -87,6 +96,13 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=10.0,
         help="on SIGTERM or SIGINT, seconds to finish requests in flight (default: %(default)s)",
+    )
+    add(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=30.0,
+        help="seconds a request's body may take to arrive; slower ones get 408 "
+        "(default: %(default)s)",
     )
     add(
         "--access-log",
@@ -157,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     async def main() -> None:
         nonlocal forced
         stop = trio.Event()
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        everything = trio.CancelScope()  # a second signal cancels it: the devices drop work
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, everything:
             async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
                 models = []
                 for name, width in specs:
@@ -187,7 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             if stop.is_set():
                                 _out(f"{PROG}: {name} again: stopping now", sys.stderr)
                                 forced = True
-                                nursery.cancel_scope.cancel()
+                                everything.cancel()
                                 return
                             _out(
                                 f"{PROG}: {name}: draining, up to {args.grace_period} s "
@@ -205,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             max_wait=args.max_wait,
                             max_pending=args.max_pending,
                             grace_period=args.grace_period,
+                            body_timeout=args.body_timeout,
                             access_log=None if args.access_log == "none" else args.access_log,
                             shutdown_trigger=stop.wait,
                             http=args.http,

@@ -4,14 +4,16 @@ Theory of operation
 -------------------
 :func:`make_app` wraps a pipeline (and optionally a batcher) in four routes --
 ``/health``, ``/stats``, ``/metrics`` and ``POST /infer`` -- behind the counting
-middleware of :mod:`hcqa.serve.metrics`. ``/infer`` admits a request (503 past
-``max_pending``), reads its body up to ``max_body`` (413), decodes it
+middleware of :mod:`hcqa.serve.metrics`. ``/infer`` reads its body
+(:func:`hcqa.serve.bodies.read_body`: up to ``max_body``, 413; within ``body_timeout``,
+408), only then admits the request (503 past ``max_pending``), decodes it
 (:mod:`hcqa.serve.inputs`: 400 with what was expected and what came; JSON bodies past
-64 KiB are (de)serialised in a worker thread so the loop keeps routing), runs it -- one
-sample through the batcher, a batch directly in chunks of the pipeline's batch
-dimension -- and answers in the request's own encoding. A client that disconnects
-cancels its request. Device faults answer 500 (or 503 once the device is unusable) with
-the fault's message; every other HTTP error is JSON too.
+64 KiB are parsed and their answers written in a worker thread, in bounded pieces, so the
+loop keeps routing), runs it -- one sample through the batcher, a batch directly in
+chunks of the pipeline's batch dimension -- and answers in the request's own encoding. A
+client that disconnects, mid-body or while its request waits, cancels it and is counted
+as a disconnect. Device faults answer 500 (or 503 once the device is unusable) with the
+fault's message; every other HTTP error is JSON too.
 
 The endpoints await through anyio, not trio, so the app also runs under an asyncio
 server (uvicorn); the pipeline and batcher it awaits are hcqa's, which host themselves
@@ -40,7 +42,8 @@ from starlette.types import ASGIApp
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
-from hcqa.serve.inputs import InputError, from_json, from_raw
+from hcqa.serve.bodies import ClientGone, InputError, dumps_array, off_loop, read_body
+from hcqa.serve.inputs import from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
 from hcqa.serve.v2 import V2, Model, Served
 
@@ -57,11 +60,9 @@ def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Re
 
 
 def _error(status: int, message: str) -> Response:
-    return _json(status, {"error": " ".join(message.split())})
-
-
-class _Disconnected(Exception):
-    """The client went away before its answer was ready: nobody to answer."""
+    # after a 408 or 413 the rest of the body is unread: the connection can't be reused
+    close = {"connection": "close"} if status in (408, 413) else None
+    return _json(status, {"error": " ".join(message.split())}, close)
 
 
 class _Endpoints:
@@ -78,6 +79,7 @@ class _Endpoints:
             "unavailable": bad,
             "uptime_s": round(time.monotonic() - st.started, 3),
             "requests_pending": st.pending,
+            "requests_receiving": st.receiving,
             "pipeline": {"depth": p.depth, "in_flight": p.in_flight, "completed": p.completed},
             "devices": devices,
         }
@@ -95,6 +97,7 @@ class _Endpoints:
             "batch_input": {"shape": list(p.in_shape), "dtype": str(st.shape.dtype)},
             "uptime_s": round(time.monotonic() - st.started, 3),
             "requests_pending": st.pending,
+            "requests_receiving": st.receiving,
             "infer_ms": {
                 "count": len(lat),
                 "p50": p50,
@@ -112,16 +115,13 @@ class _Endpoints:
 
     async def infer(self, request: Request) -> Response:
         st = self.st
-        if st.max_pending is not None and st.pending >= st.max_pending:
-            return _error(503, f"too many requests waiting (limit {st.max_pending})")
-        st.pending += 1
         t0 = time.perf_counter()
         try:
             response = await self._infer(request)
         except InputError as exc:
             return _error(exc.status, str(exc))
-        finally:
-            st.pending -= 1
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
         if response.status_code == 200:
             st.latencies.append(time.perf_counter() - t0)
             if len(st.latencies) > 8192:
@@ -135,18 +135,22 @@ class _Endpoints:
             return _error(
                 415, f"Content-Type must be {JSON_TYPE} or {RAW_TYPE} (got {ctype or 'none'})"
             )
-        body = await self._body(request)
+        body = await read_body(request, st)
+        with st.admit():
+            return await self._admitted(request, ctype, body)
+
+    async def _admitted(self, request: Request, ctype: str, body: bytes) -> Response:
+        st = self.st
         big = len(body) > _OFFLOAD_BYTES
         if ctype == RAW_TYPE:
             x, single = from_raw(body, st.shape)
         elif big:
-            x, single = await anyio.to_thread.run_sync(from_json, body, st.shape)
+            x, single = await off_loop(st.limiter, from_json, body, st.shape)
         else:
             x, single = from_json(body, st.shape)
+        del body
         try:
             y = await self._cancel_on_disconnect(request, self._run, x, single)
-        except _Disconnected:
-            return Response(status_code=499)  # nobody reads it
         except (InvalidCommand, TypeError) as exc:
             return _error(400, str(exc))
         except DeviceFault as exc:
@@ -154,26 +158,12 @@ class _Endpoints:
         except (DeviceClosed, HcqaError) as exc:
             return _error(503, f"{type(exc).__name__}: {exc}")
         if ctype == JSON_TYPE:
-            out = await anyio.to_thread.run_sync(_to_json, y) if big else _to_json(y)
+            out = await off_loop(st.limiter, _to_json, y) if y.size > 4096 else _to_json(y)
             return Response(out, media_type=JSON_TYPE)
         shape = ",".join(map(str, y.shape))
         headers = {"x-hcqa-shape": shape, "x-hcqa-dtype": str(y.dtype)}
         data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
         return Response(data, headers=headers, media_type=RAW_TYPE)
-
-    async def _body(self, request: Request) -> bytes:
-        limit = self.st.max_body
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise InputError(413, f"body larger than {limit} bytes (got {int(declared)} bytes)")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise InputError(413, f"body larger than {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def _cancel_on_disconnect(
         self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
@@ -197,7 +187,7 @@ class _Endpoints:
         if error:
             raise error[0]
         if not result:
-            raise _Disconnected
+            raise ClientGone
         return result[0]
 
     async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]:
@@ -254,8 +244,8 @@ def _plain(stats: Any) -> Any:
 
 
 def _to_json(y: npt.NDArray[Any]) -> bytes:
-    doc = {"outputs": y.tolist(), "shape": list(y.shape), "dtype": str(y.dtype)}
-    return json.dumps(doc).encode()
+    tail = json.dumps({"shape": list(y.shape), "dtype": str(y.dtype)})[1:]
+    return b'{"outputs": ' + dumps_array(y) + b", " + tail.encode()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -292,6 +282,7 @@ def make_app(
     name: str = "model",
     version: str = "1",
     models: Sequence[tuple[Model, Batcher | None]] = (),
+    body_timeout: float = 30.0,
 ) -> ASGIApp:
     """An ASGI app serving ``pipeline`` (a ``Pipeline`` or ``ProcessPipeline``).
 
@@ -301,8 +292,10 @@ def make_app(
 
     ``batcher``: single samples go through it (see :func:`hcqa.open_batcher`); without one
     each runs alone. ``max_pending``: answer ``503`` to an ``/infer`` request when that many
-    are already admitted (None: no limit). ``max_body``: the largest request body accepted
-    (default: 32 times the raw size of one pipeline batch, at least 1 MiB).
+    are already admitted (None: no limit); a request is admitted once its body has arrived.
+    ``max_body``: the largest request body accepted (default: 32 times the raw size of one
+    pipeline batch, at least 1 MiB; 413 past it). ``body_timeout``: seconds a request's body
+    may take to arrive, from its headers to its last byte (408 past it).
     """
     if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
         raise TypeError(
@@ -312,7 +305,11 @@ def make_app(
         raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
         raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
-    state = State(pipeline, batcher, max_pending=max_pending, max_body=max_body)
+    if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
+        raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
+    state = State(
+        pipeline, batcher, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
+    )
     served = [Served(name, version, state)]
     for model, model_batcher in models:
         served.append(
@@ -323,6 +320,7 @@ def make_app(
                 model_batcher,
                 max_pending=max_pending,
                 max_body=max_body,
+                body_timeout=body_timeout,
             )
         )
     v2 = V2(served, _version())

@@ -4,35 +4,31 @@ Theory of operation
 -------------------
 A body is either raw little-endian bytes or JSON ``{"inputs": ...}``. Raw bytes are one
 sample when they are exactly one sample's size, else a batch of ``n`` samples when they
-are a multiple of it. JSON is parsed by ``json.loads`` (which refuses ``NaN`` /
-``Infinity`` here, and whose nesting limit is caught), then :func:`_check_nesting` walks
-the nested lists without recursion to check the shape -- one sample (``sample_shape``) or
-a batch (``[n, *sample_shape]``) -- and the type of every number: booleans, strings,
-objects and nulls are refused by name and position before numpy sees them (numpy would
-turn ``True`` into ``1`` and ``"1"`` into a string array). Only then is the array made.
+are a multiple of it. JSON is parsed by :func:`hcqa.serve.bodies.loads_json` (in bounded
+pieces; it refuses ``NaN``, ``Infinity``, numbers past a double's range and deep nesting),
+then :func:`to_array` -- which other protocols use for their nested lists too -- has
+:func:`_check_nesting` walk the lists without recursion to check the shape -- one sample
+(``sample_shape``) or a batch (``[n, *sample_shape]``) -- and the type of every number
+(a scalar sample's too): booleans, strings, objects and nulls are refused by name and
+position before numpy sees them (numpy would turn ``True`` into ``1`` and ``"1"`` into a
+string array). Only then is the array made, a sample at a time, and a number that does not
+fit the dtype (``1e39`` for float32, ``2**40`` for int32) is refused with its position.
 
-Every refusal is an :class:`InputError` with an HTTP status (400 or 413) and a message
-saying what was expected and what came.
+Every refusal is an :class:`InputError` with an HTTP status and a message saying what was
+expected and what came.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["InputError", "Shape", "from_json", "from_raw"]
+from hcqa.serve.bodies import InputError, as_array, loads_json
 
-
-class InputError(Exception):
-    """A request body that can't be used: ``status`` (400 or 413) and a one-line message."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["InputError", "Shape", "from_json", "from_raw", "to_array"]
 
 
 class Shape:
@@ -63,20 +59,12 @@ def from_raw(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
     return x.reshape((n, *shape.sample_shape)), False
 
 
-def _refuse_constant(name: str) -> float:
-    raise InputError(400, f"inputs must be finite numbers (got {name})")
-
-
 def from_json(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
-    """(array, single) from ``{"inputs": ...}``; :class:`InputError` for anything else."""
-    try:
-        doc = json.loads(body.decode("utf-8"), parse_constant=_refuse_constant)
-    except RecursionError:
-        raise InputError(400, "body is JSON nested too deeply to be inputs") from None
-    except UnicodeDecodeError:
-        raise InputError(400, "body is not JSON (not UTF-8 text)") from None
-    except ValueError as exc:
-        raise InputError(400, f"body is not JSON ({exc})") from None
+    """(array, single) from ``{"inputs": ...}``; :class:`InputError` for anything else.
+
+    Parses in bounded pieces (:func:`hcqa.serve.bodies.loads_json`): call it in a worker
+    thread for a large body and the event loop keeps running meanwhile."""
+    doc = loads_json(body)
     if not isinstance(doc, dict):
         raise InputError(
             400, f'expected a JSON object {{"inputs": ...}} (got {_kind(doc, plural=False)})'
@@ -84,18 +72,32 @@ def from_json(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
     if "inputs" not in doc:
         keys = ", ".join(repr(k) for k in list(doc)[:5]) or "no keys"
         raise InputError(400, f'expected a JSON object with an "inputs" key (got {keys})')
-    inputs = doc["inputs"]
+    return to_array(doc["inputs"], shape, "inputs")
+
+
+def to_array(inputs: Any, shape: Shape, where: str) -> tuple[npt.NDArray[Any], bool]:
+    """(array, single) from nested lists of numbers that are one sample or a batch of
+    ``shape``; :class:`InputError` naming the position (``where[i][j]``) of what is wrong."""
     depth = len(shape.sample_shape)
-    dims = _check_nesting(inputs, shape, depth)
+    dims = _check_nesting(inputs, shape, depth, where)
     single = len(dims) == depth
     try:
-        x = np.array(inputs, dtype=shape.dtype)
+        x = as_array(inputs, shape.dtype)
     except (OverflowError, ValueError) as exc:
         raise InputError(
-            400, f"inputs must fit in {shape.dtype} (got one that does not: {exc})"
+            400, f"{where} must fit in {shape.dtype} (got one that does not: {exc})"
         ) from None
     if x.shape != (shape.sample_shape if single else (dims[0], *shape.sample_shape)):
         raise InputError(400, f"expected {shape.expected} (got shape {list(x.shape)})")
+    if shape.dtype.kind in "fc" and not np.isfinite(x).all():
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(x))[0])
+        value = inputs
+        for i in index:
+            value = value[i]
+        at = where + "".join(f"[{i}]" for i in index)
+        raise InputError(
+            400, f"{where} must fit in {shape.dtype} (got {value!r} at {at}, too large)"
+        )
     return x, single
 
 
@@ -113,7 +115,7 @@ def _kind(value: Any, *, plural: bool = True) -> str:
     return "a number"
 
 
-def _check_nesting(inputs: Any, shape: Shape, depth: int) -> tuple[int, ...]:
+def _check_nesting(inputs: Any, shape: Shape, depth: int, where: str) -> tuple[int, ...]:
     """The dims of ``inputs`` (``depth`` or ``depth + 1`` of them) after checking that every
     list at one level has the same length and every leaf is a number of the right kind."""
     dims: list[int] = []
@@ -131,8 +133,10 @@ def _check_nesting(inputs: Any, shape: Shape, depth: int) -> tuple[int, ...]:
         got = f"shape {dims}" if dims else _kind(inputs, plural=False)
         raise InputError(400, f"expected {shape.expected} (got {got})")
     ints_only = shape.dtype.kind in "iu"
+    if not dims:  # a scalar sample
+        _check_leaf(inputs, ints_only, where)
     # walk level by level: each level is a list of (path, value) pairs
-    level: list[tuple[str, Any]] = [("inputs", inputs)]
+    level: list[tuple[str, Any]] = [(where, inputs)]
     for d, n in enumerate(dims):
         nxt: list[tuple[str, Any]] = []
         for path, v in level:
@@ -151,10 +155,17 @@ def _check_nesting(inputs: Any, shape: Shape, depth: int) -> tuple[int, ...]:
                     t = type(leaf)
                     if t is int or (t is float and not ints_only):
                         continue
-                    what = "a fraction" if t is float else _kind(leaf, plural=False)
-                    need = "integers" if ints_only else "numbers"
-                    raise InputError(400, f"inputs must be {need} (got {what} at {path}[{i}])")
+                    _check_leaf(leaf, ints_only, f"{path}[{i}]")
             else:
                 nxt.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
         level = nxt
     return tuple(dims)
+
+
+def _check_leaf(leaf: Any, ints_only: bool, at: str) -> None:
+    t = type(leaf)
+    if t is int or (t is float and not ints_only):
+        return
+    what = "a fraction" if t is float else _kind(leaf, plural=False)
+    need = "integers" if ints_only else "numbers"
+    raise InputError(400, f"inputs must be {need} (got {what} at {at})")

@@ -3,14 +3,18 @@
 Theory of operation
 -------------------
 Each app made by :func:`hcqa.serve.make_app` owns one :class:`State`: the pipeline and
-batcher it serves, the admission counter behind ``max_pending``, the body limit, and a
+batcher it serves, the admission counter behind ``max_pending`` (:meth:`State.admit`, taken
+once a request's body has arrived), the body's size and time limits, the drain flag, and a
 *private* Prometheus ``CollectorRegistry`` -- two apps in one process never share a
 counter. Two kinds of metric live there:
 
 - **Counted as requests pass**: :class:`Measured` is an ASGI middleware around the whole
   app that counts every HTTP request by endpoint and status and observes its latency
-  (first byte in to response out). A request whose client left (status 499) is not
-  counted: nobody saw an answer.
+  (first byte in to response out). A request whose client left (status 499, or
+  :class:`~hcqa.serve.bodies.ClientGone` raised by any endpoint) is counted apart, in
+  ``hcqa_client_disconnects_total``: nobody saw an answer, and it is no server error.
+  The middleware also counts the requests inside the app, so a drain knows when the last
+  one is answered, and while draining it adds ``Connection: close`` to every response.
 - **Read when scraped**: :class:`ScrapeTime` is a custom collector that reads the
   batcher's, the pipeline's and the devices' ``statistics()`` only when ``/metrics`` is
   scraped, so a busy server pays nothing between scrapes for queue depths, batches in
@@ -21,17 +25,21 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hcqa.batcher import Batcher
 from hcqa.devices.base import Device
+from hcqa.serve.bodies import ClientGone, InputError
 from hcqa.serve.inputs import Shape
 
 __all__ = ["ENDPOINTS", "Measured", "ScrapeTime", "State", "endpoint_of"]
@@ -50,6 +58,7 @@ class State:
         *,
         max_pending: int | None,
         max_body: int | None,
+        body_timeout: float = 30.0,
     ) -> None:
         self.pipeline = pipeline
         self.batcher = batcher
@@ -58,6 +67,11 @@ class State:
         self.shape = Shape(tuple(pipeline.in_shape[1:]), np.dtype(pipeline.dtype))
         batch_nbytes = self.rows * self.shape.nbytes
         self.max_body = max_body or max(1 << 20, 32 * batch_nbytes)
+        self.body_timeout = body_timeout
+        self._limiter: anyio.CapacityLimiter | None = None
+        self.draining = False  # set when a drain starts: answers carry Connection: close
+        self.active = 0  # HTTP requests inside the app now
+        self._idle: anyio.Event | None = None  # set when active drops to 0
         devices = [getattr(s, "device", None) for s in getattr(pipeline, "stages", ())]
         devices.append(getattr(pipeline, "device", None))
         self.devices: list[Device] = list(
@@ -65,6 +79,7 @@ class State:
         )
         self.started = time.monotonic()
         self.pending = 0  # /infer requests admitted and not yet answered
+        self.receiving = 0  # request bodies being read (not admitted yet)
         self.latencies: list[float] = []  # successful /infer, seconds; last 4096
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -80,7 +95,39 @@ class State:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.disconnects = Counter(
+            "hcqa_client_disconnects",
+            "requests whose client left before their answer (mid-body or while waiting)",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.registry.register(ScrapeTime(self))
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Hold one of the ``max_pending`` admission slots; InputError 503 when none is free.
+        Take it once the request's body has arrived (a slow body holds no slot)."""
+        if self.max_pending is not None and self.pending >= self.max_pending:
+            raise InputError(503, f"too many requests waiting (limit {self.max_pending})")
+        self.pending += 1
+        try:
+            yield
+        finally:
+            self.pending -= 1
+
+    @property
+    def limiter(self) -> anyio.CapacityLimiter:
+        """The worker threads that decode and encode big JSON bodies: one at a time."""
+        if self._limiter is None:  # made on first use, on the app's event loop
+            self._limiter = anyio.CapacityLimiter(1)
+        return self._limiter
+
+    async def wait_idle(self) -> None:
+        """Return once no HTTP request is inside the app."""
+        while self.active:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     def device_rows(self) -> list[dict[str, Any]]:
         rows = []
@@ -111,6 +158,11 @@ class ScrapeTime(Collector):
             "hcqa_requests_pending",
             "/infer requests admitted and not yet answered",
             value=st.pending,
+        )
+        yield GaugeMetricFamily(
+            "hcqa_requests_receiving",
+            "requests whose body is still arriving (not admitted yet)",
+            value=st.receiving,
         )
         p = st.pipeline.statistics()
         yield GaugeMetricFamily(
@@ -188,6 +240,7 @@ class Measured:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        st = self.state
         t0 = time.perf_counter()
         endpoint = endpoint_of(scope["path"])
         status = [500]
@@ -195,11 +248,23 @@ class Measured:
         async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if st.draining:
+                    headers = [(k, v) for k, v in message["headers"] if k.lower() != b"connection"]
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
+        st.active += 1
         try:
             await self.app(scope, receive, send_status)
+        except (ClientGone, ClientDisconnect):
+            status[0] = 499
         finally:
-            if status[0] != 499:
-                self.state.requests.labels(endpoint, str(status[0])).inc()
-                self.state.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            st.active -= 1
+            if not st.active and st._idle is not None:
+                st._idle.set()
+                st._idle = None
+            if status[0] == 499:
+                st.disconnects.labels(endpoint).inc()
+            else:
+                st.requests.labels(endpoint, str(status[0])).inc()
+                st.latency.labels(endpoint).observe(time.perf_counter() - t0)

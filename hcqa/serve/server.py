@@ -1,14 +1,22 @@
-"""Running a served app: hypercorn on trio, draining, and the demo MLP.
+"""Running a served app: an HTTP server on trio, draining, and the demo MLP.
 
 Theory of operation
 -------------------
-:func:`serve` opens the batcher (unless ``max_batch=1``), builds the app, and runs
-hypercorn's trio worker in the caller's trio run, so the HTTP server, the batcher's
-collector, the pipeline's actors and the devices' wake-ups share one loop while kernels
-run in engine threads or worker processes. ``task_status.started`` reports the bound
-port. When the shutdown trigger returns, hypercorn stops accepting, gives requests in
-flight ``grace_period`` seconds and closes idle connections; then the batcher drains and
-:func:`serve` returns. hypercorn is imported only here, on first use.
+:func:`serve` opens the batchers (unless ``max_batch=1``), builds the app, and runs the
+HTTP server -- :mod:`hcqa.serve.http` by default, or hypercorn's trio worker -- in the
+caller's trio run, so the HTTP server, the batcher's collector, the pipeline's actors and
+the devices' wake-ups share one loop while kernels run in engine threads or worker
+processes. ``task_status.started`` reports the bound port. When the shutdown trigger
+returns, the drain starts: the server stops accepting and closes idle connections, every
+answer from then on carries ``Connection: close`` (the app's counting middleware adds it
+whichever server runs), and as soon as no request is inside the app (the middleware
+counts them; at most ``grace_period`` seconds) the server is stopped -- it does not wait
+for connections that will never carry another request (hypercorn would, for the whole
+grace period). Then the batchers drain and :func:`serve` returns. hypercorn is imported
+only when it is asked for.
+
+The access log file is opened as the Tracer writes its trace: never through a symlink
+(``O_NOFOLLOW``), created owner-only (0600), and only a regular file is accepted.
 
 :func:`mlp_pipeline` is the two-layer MLP that ``hcqa serve`` and the examples run.
 """
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -48,6 +58,8 @@ async def serve(
     max_wait: float = 0.002,
     max_pending: int | None = None,
     grace_period: float = 10.0,
+    max_body: int | None = None,
+    body_timeout: float = 30.0,
     access_log: str | None = None,
     log_level: str = "WARNING",
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
@@ -67,8 +79,14 @@ async def serve(
     sizes (buckets, see :func:`hcqa.open_batcher`); whole-batch requests use the largest.
     ``port=0`` picks a free port; ``await nursery.start(partial(serve, pipe, port=0))``
     returns the bound port. When ``shutdown_trigger()`` returns, the server drains: it stops
-    accepting, gives requests in flight ``grace_period`` seconds, and returns.
-    ``access_log``: ``"-"`` for stdout, a file path, or None. A single startup error
+    accepting, answers the requests in flight (with ``Connection: close``) for up to
+    ``grace_period`` seconds, and returns as soon as they are answered. ``max_body``: the
+    largest request body (default: see :func:`hcqa.serve.make_app`). ``body_timeout``:
+    seconds a request's body may take to arrive (408 past it); a request is admitted (see
+    ``max_pending``) only once its body has arrived.
+    ``access_log``: ``"-"`` for stdout, a file path (appended to; created with mode 0600;
+    a symlink or anything but a regular file is refused with InvalidCommand), or None.
+    A single startup error
     (``OSError`` for a port in use) is raised unwrapped. ``hypercorn_options`` sets more
     attributes of hypercorn's ``Config`` (``certfile``, ``keep_alive_timeout``, ...).
 
@@ -83,15 +101,14 @@ async def serve(
         raise InvalidCommand("hypercorn_options need http='hypercorn'")
     if not (isinstance(grace_period, int | float) and 0 <= grace_period < math.inf):
         raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
+    if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
+        raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
+    logger = None if access_log is None else _access_logger(access_log)
     if http == "hypercorn":
-        start: Any = _hypercorn(host, port, grace_period, access_log, log_level, hypercorn_options)
+        start: Any = _hypercorn(host, port, grace_period, logger, log_level, hypercorn_options)
     else:
         start = partial(
-            serve_http,
-            host=host,
-            port=port,
-            grace_period=float(grace_period),
-            access_log=_access_logger(access_log) if access_log is not None else None,
+            serve_http, host=host, port=port, grace_period=float(grace_period), access_log=logger
         )
     models = _models(pipeline, max_batch, max_wait)
     try:
@@ -105,24 +122,62 @@ async def serve(
                 _largest(first.pipeline),
                 batcher=batchers[0],
                 max_pending=max_pending,
+                max_body=max_body,
+                body_timeout=body_timeout,
                 name=first.name,
                 version=first.version,
                 models=list(zip(models[1:], batchers[1:], strict=True)),
             )
-            async with trio.open_nursery() as nursery:
-                binds: list[str] = await nursery.start(
-                    partial(start, app, shutdown_trigger=shutdown_trigger)
-                )
-                task_status.started(int(binds[0].rsplit(":", 1)[1]))
+            await _run(start, app, shutdown_trigger, grace_period, task_status)
     except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
         raise sole_error(group) from None
+    finally:
+        for handler in logger.handlers if logger is not None else ():
+            handler.close()
+
+
+async def _run(
+    start: Any,
+    app: Any,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    grace_period: float,
+    task_status: trio.TaskStatus[int],
+) -> None:
+    """Run the HTTP server until cancelled or, with a trigger, drained (see the notes)."""
+    state = app.state
+    draining = trio.Event()
+
+    async def trigger() -> None:
+        assert shutdown_trigger is not None
+        await shutdown_trigger()
+        state.draining = True  # from now on every answer says Connection: close
+        draining.set()
+
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(start, app, shutdown_trigger=None if shutdown_trigger is None else trigger)
+        )
+        task_status.started(int(binds[0].rsplit(":", 1)[1]))
+        if shutdown_trigger is None:
+            return
+        await draining.wait()
+        with trio.move_on_after(grace_period):
+            while True:  # idle, and still idle a moment later: nothing was on its way in
+                await state.wait_idle()
+                await trio.sleep(_SETTLE)
+                if not state.active:
+                    break
+        nursery.cancel_scope.cancel()  # connections left carry no request: close them
+
+
+_SETTLE = 0.01  # seconds the app must stay idle before a drain ends
 
 
 def _hypercorn(
     host: str,
     port: int,
     grace_period: float,
-    access_log: str | None,
+    access_log: logging.Logger | None,
     log_level: str,
     options: Mapping[str, Any] | None,
 ) -> Any:
@@ -137,7 +192,7 @@ def _hypercorn(
     config.loglevel = log_level
     config.graceful_timeout = float(grace_period)
     if access_log is not None:
-        config.accesslog = _access_logger(access_log)
+        config.accesslog = access_log
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     for key, value in (options or {}).items():
         if not hasattr(config, key):
@@ -151,16 +206,13 @@ def _hypercorn(
 
 
 def _access_logger(target: str) -> logging.Logger:
-    """A logger writing one line per request to stdout (``"-"``) or a file."""
-    logger = logging.getLogger(f"hcqa.serve.access.{target}")
-    logger.setLevel(logging.INFO)
+    """A logger (not registered with ``logging``) writing one line per request to stdout
+    (``"-"``) or appending to a file, opened without following a symlink."""
+    logger = logging.Logger(f"hcqa.serve.access:{target}", logging.INFO)
     logger.propagate = False
-    if not logger.handlers:
-        handler: logging.Handler = (
-            logging.StreamHandler(sys.stdout) if target == "-" else logging.FileHandler(target)
-        )
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        logger.addHandler(handler)
+    handler = logging.StreamHandler(sys.stdout) if target == "-" else _LogFile(_open_log(target))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(handler)
     return logger
 
 
@@ -181,6 +233,58 @@ def _models(pipeline: Any, max_batch: int | None, max_wait: float) -> list[Model
     if isinstance(pipeline, list | tuple) and any(isinstance(m, Model) for m in pipeline):
         raise InvalidCommand("serve takes a pipeline, a list of pipelines or a list of Models")
     return [Model(name="model", pipeline=pipeline, max_batch=max_batch, max_wait=max_wait)]
+
+
+class _LogFile(logging.StreamHandler):  # type: ignore[type-arg]
+    """A stream handler that closes its file when it is closed."""
+
+    def close(self) -> None:
+        super().close()
+        self.stream.close()
+
+
+def _open_log(path: str) -> Any:
+    """``path`` opened for appending: created 0600, never through a symlink, regular only."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            pass
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                raise InvalidCommand(
+                    f"access_log {path!r} must be a regular file (got a symlink, "
+                    "which is not followed)"
+                ) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidCommand(
+                    f"access_log {path!r} must be a regular file (got {_kind(st)})"
+                ) from None
+        raise InvalidCommand(
+            f"access_log {path!r} must be a file this user can append to (got: {exc.strerror})"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InvalidCommand(f"access_log {path!r} must be a regular file (got {_kind(st)})")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _kind(st: os.stat_result) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(st.st_mode):
+            return name
+    return "not a regular file"
 
 
 @asynccontextmanager

@@ -35,6 +35,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from hcqa.serve.bodies import loads_json
 from hcqa.serve.inputs import InputError
 
 __all__ = [
@@ -125,14 +126,7 @@ def parse_request(
     """The request in ``body`` (JSON, then binary tensors if ``header_length`` is given),
     checked against the model's input ``spec`` and its output names."""
     json_part, binary = _split(body, header_length)
-    try:
-        doc = json.loads(json_part, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise InputError(400, "the request is JSON nested too deeply") from None
-    except UnicodeDecodeError:
-        raise InputError(400, "the request is not JSON (not UTF-8 text)") from None
-    except ValueError as exc:
-        raise InputError(400, f"the request is not JSON ({exc})") from None
+    doc = loads_json(json_part)  # in bounded pieces: see hcqa.serve.bodies
     if not isinstance(doc, dict):
         raise InputError(400, 'expected a JSON object {"inputs": [...]} (got something else)')
     request_id = doc.get("id")
@@ -195,10 +189,6 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def _refuse_constant(name: str) -> float:
-    raise InputError(400, f"tensor data must be finite numbers (got {name})")
-
-
 def _input(doc: Any, binary: bytes, spec: TensorSpec) -> tuple[npt.NDArray[Any], int]:
     """The input's array (``[n, *sample_shape]``) and how many binary bytes it used."""
     if not isinstance(doc, dict):
@@ -254,9 +244,15 @@ def _input(doc: Any, binary: bytes, spec: TensorSpec) -> tuple[npt.NDArray[Any],
             400, f"{where}shape {shape} holds {count} elements (got {len(flat)} in 'data')"
         )
     try:
-        x = np.array(flat, dtype=spec.dtype)
+        with np.errstate(over="ignore"):  # checked below
+            x = np.array(flat, dtype=spec.dtype)
     except (OverflowError, ValueError) as exc:
         raise InputError(400, f"{where}data must fit in {spec.datatype} ({exc})") from None
+    if spec.dtype.kind in "fc" and not np.isfinite(x).all():
+        i = int(np.argmax(~np.isfinite(x)))
+        raise InputError(
+            400, f"{where}data must fit in {spec.datatype} (got {flat[i]!r} at element {i})"
+        )
     return x.reshape(shape), 0
 
 

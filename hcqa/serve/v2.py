@@ -49,6 +49,7 @@ from starlette.routing import Route
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
+from hcqa.serve.bodies import ClientGone, off_loop, read_body
 from hcqa.serve.inputs import InputError
 from hcqa.serve.metrics import State
 from hcqa.serve.tensors import HEADER_LENGTH, TensorSpec, encode_response, parse_request
@@ -121,8 +122,15 @@ class Served:
         *,
         max_pending: int | None,
         max_body: int | None,
+        body_timeout: float = 30.0,
     ) -> Served:
-        state = State(pipeline, batcher, max_pending=max_pending, max_body=max_body)
+        state = State(
+            pipeline,
+            batcher,
+            max_pending=max_pending,
+            max_body=max_body,
+            body_timeout=body_timeout,
+        )
         return cls(name, version, state)
 
     def unavailable(self) -> list[str]:
@@ -236,33 +244,36 @@ class V2:
             return _error(404, str(exc))
         st = m.state
         try:
-            body = await m.endpoints._body(request)
-            header = request.headers.get(HEADER_LENGTH)
-            args = (body, header, m.input, (m.output.name,))
-            if len(body) > _OFFLOAD_BYTES:
-                req = await anyio.to_thread.run_sync(parse_request, *args)
-            else:
-                req = parse_request(*args)
+            body = await read_body(request, st)  # 413, 408; ClientGone
+            with st.admit():  # 503: admitted once the body has arrived
+                return await self._admitted(request, m, body)
         except InputError as exc:
             return _error(exc.status, str(exc))
-        if st.max_pending is not None and st.pending >= st.max_pending:
-            return _error(503, f"too many requests waiting (limit {st.max_pending})")
-        st.pending += 1
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+
+    async def _admitted(self, request: Request, m: Served, body: bytes) -> Response:
+        st = m.state
+        header = request.headers.get(HEADER_LENGTH)
+        args = (body, header, m.input, (m.output.name,))
+        if len(body) > _OFFLOAD_BYTES:
+            req = await off_loop(st.limiter, parse_request, *args)
+        else:
+            req = parse_request(*args)
+        del body, args
         t0 = time.perf_counter()
         try:
             y = await self._run(request, m, req.x, req.timeout_us)
         except _Answer as answer:
             return answer.response
-        finally:
-            st.pending -= 1
         st.latencies.append(time.perf_counter() - t0)
         if len(st.latencies) > 8192:
             del st.latencies[:4096]
         asked = req.outputs if req.outputs is not None else ((m.output.name, req.binary_output),)
         outputs = [(name, y, binary) for name, binary in asked]
         if y.nbytes > _OFFLOAD_BYTES and not all(b for _, _, b in outputs):
-            data, headers = await anyio.to_thread.run_sync(
-                encode_response, m.name, m.version, req.id, outputs
+            data, headers = await off_loop(
+                st.limiter, encode_response, m.name, m.version, req.id, outputs
             )
         else:
             data, headers = encode_response(m.name, m.version, req.id, outputs)
@@ -273,16 +284,12 @@ class V2:
         self, request: Request, m: Served, x: npt.NDArray[Any], timeout_us: int
     ) -> npt.NDArray[Any]:
         """The model's output rows for ``x``, within the request's timeout."""
-        from hcqa.serve.app import _Disconnected
-
         ep = m.endpoints
         single = len(x) == 1
         limit = timeout_us / 1e6 if timeout_us else math.inf
         try:
             with anyio.move_on_after(limit) as scope:
                 y = await ep._cancel_on_disconnect(request, ep._run, x[0] if single else x, single)
-        except _Disconnected:
-            raise _Answer(Response(status_code=499)) from None  # nobody reads it
         except (InvalidCommand, TypeError) as exc:
             raise _Answer(_error(400, str(exc))) from None
         except DeviceFault as exc:
