@@ -29,6 +29,14 @@ V = {"cores": 2, "load": 0.5, "blas_limited": True}
         ({"t_pipe": 2.0, "t_seq": 1.8, "load": 3.6}, "busy (1-minute load average 3.6 on 2"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "load": None}, "handing each microbatch between devices"),
         ({"t_pipe": 2.0, "t_seq": 1.8, "processes": True}, "between worker processes"),
+        (
+            {"t_pipe": 2.0, "t_seq": 1.8, "shared_device": "opencl:0"},
+            "lost (0.90x): both stages ran on one OpenCL device (opencl:0 named twice)",
+        ),
+        (
+            {"t_pipe": 2.0, "t_seq": 2.1, "shared_device": "opencl:0"},
+            "did 1.05x the 1-device throughput; both stages ran on one OpenCL device",
+        ),
     ],
 )
 def test_the_verdict_says_what_the_speedup_means(kw: dict[str, Any], expect: str) -> None:
