@@ -15,10 +15,12 @@ import sys
 import textwrap
 
 import pytest
+from _kinds import opencl_missing
 
 pytest.importorskip("pyopencl")
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+NEEDS_DEVICE = pytest.mark.skipif(opencl_missing() is not None, reason=str(opencl_missing()))
 
 
 def _child(code: str, timeout: float = 120.0, **env: str) -> subprocess.CompletedProcess[str]:
@@ -122,3 +124,128 @@ print("child", status)
     status = int(proc.stdout.split()[-1])
     assert status != 0, "a bare-forked child ran OpenCL: the fork trap is gone from this PoCL"
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM, status  # it hung
+
+
+# -- a host copy's event dropped before it completes -------------------------------------------
+
+NANNY = """
+import time
+import numpy as np
+import trio
+import hcqa
+
+SPIN = (
+    "__kernel void spin(__global float *x, int n) {"
+    "    float a = x[0];"
+    "    for (int i = 0; i < n; i++) a = a * 0.9999999f + 1e-7f;"
+    "    x[0] = a;"
+    "}"
+)
+N = 1 << 20
+BIG = 512 << 20
+
+
+async def main():
+    lags = []
+
+    async def heartbeat():
+        while True:
+            t = time.perf_counter()
+            await trio.sleep(0.005)
+            lags.append(time.perf_counter() - t - 0.005)
+
+    async with hcqa.open_device("opencl:0", hang_limit=60) as d:
+        k = d.program("spin", SPIN, entry="spin")
+        buf = d.alloc(shape=(N,), dtype="float32")
+        await buf.copyin(np.ones(N, np.float32))
+        n = 1 << 16
+        while (kernel := await k.timed(buf, vals=(n,))) < 0.4 and n < 1 << 30:
+            n *= 2
+        big = d.alloc(BIG)
+        host = np.ones(BIG, np.uint8)
+        await big.copyin(host)
+        t = time.perf_counter()
+        await big.copyin(host)
+        copy = time.perf_counter() - t
+        worst = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat)
+            await trio.sleep(0.02)
+            for case in ("kernel", "copy"):
+                lags.clear()
+                for _ in range(2):
+                    if case == "kernel":
+                        k(buf, vals=(n,))  # a long kernel writes buf ...
+                    else:
+                        big.copyin(host)  # ... or a long copy runs ahead on the copy queue
+                    buf.copyin(np.full(N, 2, np.float32))  # a host copy behind it (array and
+                    out = np.empty(N, np.float32)  # fence not kept by the caller)
+                    fence = buf.copyout(out)  # and a host copy out behind that
+                    await fence
+                    assert (out == 2).all(), out[:4]
+                worst[case] = max(lags)
+            nursery.cancel_scope.cancel()
+    print(kernel, worst["kernel"], copy, worst["copy"])
+
+
+trio.run(main)
+"""
+
+
+@NEEDS_DEVICE
+def test_host_copies_behind_long_work_never_freeze_the_loop() -> None:
+    """A host copy's PyOpenCL event, dropped before the copy completes, waits for it in its
+    destructor with the GIL held: the loop's heartbeat then misses the whole of the work ahead
+    of the copy (a 0.54 s gap behind a 0.6 s copy, measured with such a drop). Queued behind a
+    long kernel, and behind a long copy on the same queue, the heartbeat must stay far below."""
+    proc = _child(NANNY, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernel, worst_kernel, copy, worst_copy = map(float, proc.stdout.split())
+    assert kernel >= 0.4
+    assert worst_kernel < kernel / 2, (worst_kernel, kernel)
+    assert worst_copy < copy / 2, (worst_copy, copy)
+
+
+# -- no linker on PATH --------------------------------------------------------------------------
+
+NO_LD_RAW = """
+import os, numpy as np, pyopencl as cl
+ctx = cl.Context([cl.get_platforms()[0].get_devices()[0]])
+q = cl.CommandQueue(ctx)
+src = "__kernel void k(__global int *x) { x[0] = %d; }" % (os.getpid() * 7919)  # never cached
+k = cl.Program(ctx, src).build().k
+b = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, 4)
+k(q, (1,), (1,), b).wait()
+print("ran")
+"""
+
+NO_LD_HCQA = """
+import trio, hcqa
+
+async def main():
+    try:
+        async with hcqa.open_device("opencl:0") as d:
+            k = d.program("k", "__kernel void k(__global int *x) { x[0] = 1; }", entry="k")
+            await k(d.alloc(4))
+    except (hcqa.InvalidCommand, hcqa.DeviceFault) as exc:
+        print(type(exc).__name__, exc)
+    else:
+        print("ran")
+
+trio.run(main)
+"""
+
+
+@NEEDS_DEVICE
+def test_without_ld_hcqa_refuses_where_pocl_would_abort() -> None:
+    from hcqa.devices.opencl import platforms
+
+    if "Portable Computing" not in platforms.cl_device(0).platform.name:
+        pytest.skip("opencl:0 is not PoCL: no linker needed")
+    path = os.path.dirname(sys.executable)  # the venv's bin: python, no binutils
+    raw = _child(NO_LD_RAW, timeout=120, PATH=path)
+    assert raw.returncode == -signal.SIGABRT, (raw.returncode, raw.stdout, raw.stderr[-500:])
+    proc = _child(NO_LD_HCQA, timeout=120, PATH=path)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.startswith(("InvalidCommand", "DeviceFault")), proc.stdout
+    assert "'ld'" in proc.stdout and "PATH" in proc.stdout, proc.stdout
