@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from _kinds import KINDS, opencl_missing
 
 
 def count_fds() -> int:
@@ -38,3 +39,14 @@ def fd_count() -> Callable[[], int]:
 def thread_names() -> Callable[[], set[str]]:
     """A callable returning the names of the live threads."""
     return live_thread_names
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """The kind of device a test about the model runs on: ``"cpu"``, then ``"opencl"`` (skipped
+    where PyOpenCL or an OpenCL device is missing). See ``_kinds.py``."""
+    if request.param == "opencl":
+        why = opencl_missing()
+        if why is not None:
+            pytest.skip(why)
+    return str(request.param)

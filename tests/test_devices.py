@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import trio
 import trio.testing
 from _helpers import Counter
 from _helpers import read as _read
+from _kinds import Count, add1, spec, specs
 
 import hcqa
 from hcqa import (
@@ -70,16 +72,16 @@ def _boom(out: npt.NDArray[Any]) -> None:
 # -- opening ---------------------------------------------------------------------------
 
 
-async def test_open_device_name_timeline_synchronize() -> None:
-    async with hcqa.open_device("cpu:0") as d:
+async def test_open_device_name_timeline_synchronize(kind: str) -> None:
+    async with hcqa.open_device(spec(kind)) as d:
         assert isinstance(d, hcqa.Device)
-        assert isinstance(d, hcqa.CpuDevice)
-        assert d.name == "cpu:0"
+        assert isinstance(d, hcqa.CpuDevice) == (kind == "cpu")
+        assert (d.name, d.kind) == (spec(kind), kind)
         assert isinstance(d.timeline, Signal)
         assert d.timeline.value == 0
         assert not d.closed
         await d.synchronize()  # nothing queued: returns
-        fence = d.program("count", Counter())(d.alloc(8))
+        fence = Count().program(d)(d.alloc(8))
         assert isinstance(fence, hcqa.Fence)
         assert fence.signal is d.timeline
         assert fence.value == 1
@@ -97,14 +99,13 @@ async def test_open_devices_spec_spellings() -> None:
             pass  # pragma: no cover
 
 
-async def test_open_devices_yields_a_tuple() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1") as devices:
+async def test_open_devices_yields_a_tuple(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2)) as devices:
         assert isinstance(devices, tuple)
         d0, d1 = devices
-        assert (d0.name, d1.name) == ("cpu:0", "cpu:1")
+        assert d0.name == spec(kind) and d1.name != d0.name  # opencl:0 twice: two devices
         assert d0.timeline is not d1.timeline
-        counter = Counter()
-        await d1.program("count", counter)(d1.alloc(8))
+        await Count().program(d1)(d1.alloc(8))
         assert (d0.timeline.value, d1.timeline.value) == (0, 1)
         await d0.synchronize()
         await d1.synchronize()
@@ -116,6 +117,7 @@ async def test_open_devices_yields_a_tuple() -> None:
         ((), {}, InvalidCommand),
         (("cpu:0", "cpu:0"), {}, InvalidCommand),
         (("cpu:0", "cpu"), {}, InvalidCommand),
+        (("opencl:99",), {}, InvalidCommand),  # no such device, or no OpenCL: said in words
         (("gpu:0",), {}, InvalidCommand),
         (("cpu:x",), {}, InvalidCommand),
         ((0,), {}, TypeError),
@@ -227,9 +229,9 @@ async def test_declared_writes_positions_checked() -> None:
         assert d.statistics() == before
 
 
-async def test_c_argument_count_errors() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_c_argument_count_errors(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a, b, c = (d.alloc(shape=(N,), dtype="float32") for _ in range(3))
         before = d.statistics()
         for bufs, vals in (((a,), (N,)), ((a, b, c), (N,)), ((a, b), ()), ((a, b), (N, 1))):
@@ -259,12 +261,12 @@ async def test_python_arity_errors() -> None:
         await d.synchronize()
 
 
-async def test_buffer_on_wrong_device() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=5) as (d0, d1):
-        prog = d0.program("add1", ADD1)
+async def test_buffer_on_wrong_device(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=5) as (d0, d1):
+        prog = add1(d0)
         a0 = d0.alloc(shape=(N,), dtype="float32")
         a1 = d1.alloc(shape=(N,), dtype="float32")
-        with pytest.raises(InvalidCommand, match="cpu:1"):
+        with pytest.raises(InvalidCommand, match=re.escape(d1.name)):
             prog(a0, a1, vals=(N,))
         assert d0.statistics().timeline_reserved == 0
         assert d1.statistics().timeline_reserved == 0
@@ -279,9 +281,9 @@ async def test_c_compile_error_carries_compiler_message() -> None:
         assert "undeclared" in str(info.value)
 
 
-async def test_c_val_out_of_int_range() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_c_val_out_of_int_range(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a, out = (d.alloc(shape=(N,), dtype="float32") for _ in range(2))
         for bad in (2**31, -(2**31) - 1, 2**64):
             with pytest.raises(InvalidCommand, match="'n'"):
@@ -310,9 +312,9 @@ async def test_program_argument_types() -> None:
             d.program("x", Counter(), entry="x")
 
 
-async def test_unbound_variable_in_vals_outside_queue() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_unbound_variable_in_vals_outside_queue(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a, out = (d.alloc(shape=(N,), dtype="float32") for _ in range(2))
         n = Variable("n", 1, N)
         with pytest.raises(InvalidCommand, match="unbound"):
@@ -333,9 +335,9 @@ async def test_unbound_variable_in_global_size_outside_queue() -> None:
 # -- eager ordering across queues ------------------------------------------------------
 
 
-async def test_eager_copyin_program_copyout() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_eager_copyin_program_copyout(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a, out = (d.alloc(shape=(N,), dtype="float32") for _ in range(2))
         results = []
         for k in range(10):
@@ -350,8 +352,15 @@ async def test_eager_copyin_program_copyout() -> None:
             np.testing.assert_array_equal(host, want)
 
 
+ADD_CL = f"""
+__kernel void add(__global float *out, __global const float *a, int delay) {{
+    for (int i = 0; i < {N}; i++) out[i] = a[i] + 1.0f;
+}}
+"""
+
+
 @pytest.mark.parametrize("seed", range(6))
-async def test_eager_random_interleavings(seed: int) -> None:
+async def test_eager_random_interleavings(seed: int, kind: str) -> None:
     """Random copyins, programs, transfers and copyouts on shared buffers, never awaited
     in between: the hazard waits alone must give the sequential result."""
     rng = random.Random(seed)
@@ -361,8 +370,8 @@ async def test_eager_random_interleavings(seed: int) -> None:
             time.sleep(delay_us / 1e6)  # widens the window for a misordered copy
         out[:] = a + 1
 
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add", add)
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = d.program("add", add) if kind == "cpu" else d.program("add", ADD_CL, entry="add")
         big = d.alloc(2 * N * 4)
         bufs = [d.alloc(shape=(N,), dtype="float32") for _ in range(3)]
         bufs.append(big.view(0, N * 4, dtype="float32"))
@@ -533,12 +542,12 @@ async def test_fault_observed_by_synchronize_is_not_raised_again() -> None:
             await d.synchronize()
 
 
-async def test_body_exception_propagates_unchanged() -> None:
-    counter = Counter()
+async def test_body_exception_propagates_unchanged(kind: str) -> None:
+    count = Count()
     gate = Signal()
     with pytest.raises(KeyError) as info:
-        async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-            prog = d.program("count", counter)
+        async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+            prog = count.program(d)
             out = d.alloc(8)
             done = prog(out)
             await done
@@ -548,7 +557,8 @@ async def test_body_exception_propagates_unchanged() -> None:
             raise KeyError("from the body")
     assert type(info.value) is KeyError
     assert info.value.args == ("from the body",)
-    assert counter.calls == 1  # the pending run was cancelled, not run
+    if kind == "cpu":  # (an opencl device's memory can't be read once it is closed)
+        assert count.python_calls == 1  # the pending run was cancelled, not run
     assert d.closed
     await done  # reached before close: returns
     with pytest.raises(DeviceClosed):
@@ -563,9 +573,9 @@ async def test_body_exception_wins_over_a_fault() -> None:
             raise KeyError("body")
 
 
-async def test_use_after_close_raises_device_closed() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_use_after_close_raises_device_closed(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a, out = (d.alloc(shape=(N,), dtype="float32") for _ in range(2))
         fence = prog(out, a, vals=(N,))
     assert fence.reached
@@ -580,20 +590,20 @@ async def test_use_after_close_raises_device_closed() -> None:
     with pytest.raises(DeviceClosed):
         a.copyout(np.zeros(N, F32))
     with pytest.raises(DeviceClosed):
-        d.program("again", Counter())
+        Count().program(d)
     with pytest.raises(DeviceClosed):
         hcqa.transfer(out, a)
     assert d.statistics().closed
 
 
-async def test_unreached_fence_of_closed_device_leaves_other_signals_alone() -> None:
+async def test_unreached_fence_of_closed_device_leaves_other_signals_alone(kind: str) -> None:
     """Regression: a wait on an already closed signal must not notify_closing its stale
     eventfd number, which a newer Signal may own (its waiter got ClosedResourceError)."""
     gate = Signal()
     with pytest.raises(KeyError):
-        async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+        async with hcqa.open_device(spec(kind), hang_limit=5) as d:
             d.compute_queue().wait(gate, 1).submit()
-            pending = d.program("count", Counter())(d.alloc(8))
+            pending = Count().program(d)(d.alloc(8))
             await trio.testing.wait_all_tasks_blocked()
             raise KeyError("leave")
     stale = pending.signal.fd
@@ -661,15 +671,15 @@ async def test_hang_raises_signal_timeout_and_close_does_not_reraise() -> None:
 # -- timeline wrap ---------------------------------------------------------------------
 
 
-async def test_timeline_wrap() -> None:
+async def test_timeline_wrap(kind: str) -> None:
     start = 2**31 - 5
-    async with hcqa.open_device("cpu:0", hang_limit=5, timeline_start=start) as d:
+    count = Count()
+    async with hcqa.open_device(spec(kind), hang_limit=5, timeline_start=start) as d:
         first = d.timeline
         assert first.value == start
-        counter = Counter()
-        prog = d.program("count", counter)
+        prog = count.program(d)
         out, other = d.alloc(8), d.alloc(8)
-        fences = []
+        fences = [out.copyin(bytes(8))]  # the count starts at 0 (device memory is undefined)
         for k in range(20):
             fences.append(prog(out))
             if k % 3 == 0:  # mix in the copy queue: steps finish out of order
@@ -679,11 +689,10 @@ async def test_timeline_wrap() -> None:
             for f in fences:
                 await f
         assert all(f.reached for f in fences)
-        assert counter.calls == 20
         total = len(fences)
         assert d.statistics().timeline_reserved == start + total
         assert d.timeline is not first
-        assert d.timeline.name == "cpu:0 timeline shadow"
+        assert d.timeline.name == f"{d.name} timeline shadow"
         assert d.timeline.value == start + total - 2**31
         assert first.value == 2**31
         assert fences[0].signal is first
@@ -692,6 +701,7 @@ async def test_timeline_wrap() -> None:
         await prog(out)
         await d.synchronize()
         assert d.timeline.value == start + total + 1 - 2**31
+        assert await count.calls(out) == 21
 
 
 # -- leaks, statistics -------------------------------------------------------------------
@@ -731,15 +741,15 @@ async def test_open_close_cycles_leak_no_fds_or_threads() -> None:
     assert {t.ident for t in threading.enumerate()} <= idents  # no new thread survived
 
 
-async def test_statistics_are_frozen_attrs() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_statistics_are_frozen_attrs(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         stats = d.statistics()
         assert attrs.has(DeviceStatistics)
         assert attrs.has(QueueStatistics)
         assert isinstance(stats, DeviceStatistics)
         assert all(isinstance(q, QueueStatistics) for q in stats.queues)
         assert [q.kind for q in stats.queues] == ["compute", "copy"]
-        assert (stats.name, stats.timeline_value, stats.timeline_reserved) == ("cpu:0", 0, 0)
+        assert (stats.name, stats.timeline_value, stats.timeline_reserved) == (d.name, 0, 0)
         assert not (stats.faulted or stats.hung or stats.closed)
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             stats.name = "x"  # type: ignore[misc]

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import trio
+from _kinds import opencl_missing, spec, specs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,6 +56,41 @@ def _rev(a: npt.NDArray[Any], out: npt.NDArray[Any]) -> None:
 
 def _acc(out: npt.NDArray[Any], a: npt.NDArray[Any]) -> None:
     out[:] = out + a
+
+
+# The kernels again in OpenCL C, for the same tests on opencl devices: one work-item each,
+# over the fixed sizes the tests use (a Python kernel sees its arrays' sizes; these can't).
+CL = {
+    "lin": "__kernel void lin(__global long *out, __global const long *a, __global const long *b,"
+    " int k) { for (int i = 0; i < 4; i++) out[i] = a[i] * k + b[i]; }",
+    "rev": "__kernel void rev(__global const long *a, __global long *out) { long t[4];"
+    " for (int i = 0; i < 4; i++) t[i] = a[3 - i] + 1;"
+    " for (int i = 0; i < 4; i++) out[i] = t[i]; }",
+    "addk": "__kernel void addk(__global long *out, __global const long *a, int k, int n)"
+    " { for (int i = 0; i < n; i++) out[i] = a[i] + k; }",
+    "addi": "__kernel void addi(__global long *out, __global const long *a, int k)"
+    " { for (int i = 0; i < 4; i++) out[i] = a[i] + k; }",
+    "acc": "__kernel void acc(__global long *out, __global const long *a)"
+    " { for (int i = 0; i < 4; i++) out[i] = out[i] + a[i]; }",
+    "scale": "__kernel void scale(__global long *out, __global const long *a, int k)"
+    " { for (int i = 0; i < 8; i++) out[i] = a[i] * k; }",
+    "inc": "__kernel void inc(__global long *acc) { for (int i = 0; i < 4; i++) acc[i] += 1; }",
+    "slow_lin": "__kernel void slow_lin(__global long *out, __global const long *a, int k)"
+    " { for (int i = 0; i < 4; i++) out[i] = a[i] * k; }",
+    "cp": "__kernel void cp(__global long *out, __global const long *a)"
+    " { for (int i = 0; i < 4; i++) out[i] = a[i]; }",
+    "fill": "__kernel void fill(__global long *out, int k)"
+    " { for (int i = 0; i < 4; i++) out[i] = k; }",
+    "make_x": "__kernel void make_x(__global long *out, __global const long *a,"
+    " __global const long *b, int k) { for (int i = 0; i < 4; i++) out[i] = a[i] * k + b[i]; }",
+}
+
+
+def _prog(d: hcqa.Device, name: str, fn: Any, **options: Any) -> hcqa.Program:
+    """``fn`` (a Python callable or C source) on cpu; the same kernel in OpenCL C on opencl."""
+    if d.kind == "cpu":
+        return d.program(name, fn, **options)
+    return d.program(name, CL[name], entry=name, **options)
 
 
 def _snapshot(devs: Sequence[hcqa.Device]) -> list[tuple[Any, ...]]:
@@ -106,28 +142,50 @@ def _dags(draw: st.DrawFn) -> tuple[int, list[tuple[Any, ...]], int]:
 
 
 class _Set:
-    """One set of buffers on every device, with views made fresh at every use."""
+    """One set of buffers on every device, with views made fresh at every use. S holds regions 2
+    and 3 at offsets 0 and ``stride``: RB apart on cpu; on opencl as far apart as a view passed to
+    a kernel must start (the device's base address alignment, 128 bytes on PoCL)."""
 
     def __init__(self, devs: Sequence[hcqa.Device]) -> None:
-        self.bufs = [(_i64(E, d), _i64(E, d), _i64(2 * E, d), _i64(E, d)) for d in devs]
+        self.stride = max(RB, *(_view_align(d) for d in devs))
+        n_s = (self.stride + RB) // 8
+        self.bufs = [(_i64(E, d), _i64(E, d), _i64(n_s, d), _i64(E, d)) for d in devs]
 
     def region(self, dev: int, r: int) -> hcqa.Buffer:
         p0, p1, s, _ = self.bufs[dev]
         if r < 2:
             return (p0, p1)[r]
-        return s.view((r - 2) * RB, RB, dtype="int64")
+        return s.view((r - 2) * self.stride, RB, dtype="int64")
 
     def scratch(self, dev: int) -> hcqa.Buffer:
         return self.bufs[dev][3]
 
+    def _s_host(self, row: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        s = np.zeros(self.stride // 8 + E, I64)
+        s[:E], s[self.stride // 8 :] = row[8:12], row[12:16]
+        return s
+
     async def fill(self, init: npt.NDArray[Any]) -> None:
         for dev, bufs in enumerate(self.bufs):
             row = init[dev]
-            for b, part in zip(bufs, (row[0:4], row[4:8], row[8:16], row[16:20]), strict=True):
+            parts = (row[0:4], row[4:8], self._s_host(row), row[16:20])
+            for b, part in zip(bufs, parts, strict=True):
                 await b.copyin(np.ascontiguousarray(part))
 
     async def read(self) -> npt.NDArray[Any]:
-        return np.stack([np.concatenate([await _read(b) for b in bufs]) for bufs in self.bufs])
+        rows = []
+        for bufs in self.bufs:
+            p0, p1, s, x = [await _read(b) for b in bufs]
+            rows.append(np.concatenate([p0, p1, s[:E], s[self.stride // 8 :], x]))
+        return np.stack(rows)
+
+
+def _view_align(d: hcqa.Device) -> int:
+    """Where a view passed to a kernel may start on ``d``: any byte on cpu."""
+    if d.kind == "cpu":
+        return 1
+    cl_device = getattr(d, "cl_device", None)
+    return int(cl_device.mem_base_addr_align) // 8 if cl_device is not None else 128
 
 
 def _issue(ops: list[tuple[Any, ...]], s: _Set, devs: Sequence[hcqa.Device], progs: Any) -> None:
@@ -184,10 +242,10 @@ def _reference(ops: list[tuple[Any, ...]], ref: npt.NDArray[Any]) -> None:
 
 def _programs(d: hcqa.Device) -> tuple[hcqa.Program, ...]:
     return (
-        d.program("lin", _lin),
-        d.program("rev", _rev, writes=(1,), reads=(0,)),
-        d.program("addk", ADDK),
-        d.program("acc", _acc),
+        _prog(d, "lin", _lin),
+        _prog(d, "rev", _rev, writes=(1,), reads=(0,)),
+        _prog(d, "addk", ADDK),
+        _prog(d, "acc", _acc),
     )
 
 
@@ -196,10 +254,25 @@ def _programs(d: hcqa.Device) -> tuple[hcqa.Program, ...]:
 async def test_random_dag_replay_matches_eager_and_numpy(
     dag: tuple[int, list[tuple[Any, ...]], int],
 ) -> None:
+    await _replay_matches_eager_and_numpy("cpu", dag)
+
+
+# Fewer examples on opencl: each opens its devices and builds its kernels again (~1 s here).
+@pytest.mark.skipif(opencl_missing() is not None, reason=str(opencl_missing()))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dag=_dags())
+async def test_random_dag_replay_matches_eager_and_numpy_on_opencl(
+    dag: tuple[int, list[tuple[Any, ...]], int],
+) -> None:
+    await _replay_matches_eager_and_numpy("opencl", dag)
+
+
+async def _replay_matches_eager_and_numpy(
+    kind: str, dag: tuple[int, list[tuple[Any, ...]], int]
+) -> None:
     ndev, ops, seed = dag
     init = np.random.default_rng(seed).integers(-9, 10, size=(ndev, 20)).astype(I64)
-    specs = [f"cpu:{i}" for i in range(ndev)]
-    async with hcqa.open_devices(*specs, hang_limit=10) as devs:
+    async with hcqa.open_devices(*specs(kind, ndev), hang_limit=10) as devs:
         progs = [_programs(d) for d in devs]
         eager, graph = _Set(devs), _Set(devs)
         await eager.fill(init)
@@ -231,18 +304,18 @@ async def test_random_dag_replay_matches_eager_and_numpy(
 # -- variables ------------------------------------------------------------------------------
 
 
-async def test_variables_change_results_and_bad_bindings_send_nothing() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as devs:
+async def test_variables_change_results_and_bad_bindings_send_nothing(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as devs:
         d0, d1 = devs
         n = Variable("n", 1, 8)
         k = Variable("k", 0, 100)
-        addk0 = d0.program("addk", ADDK)
-        addk1 = d1.program("addk", ADDK)
+        addk0 = _prog(d0, "addk", ADDK)
+        addk1 = _prog(d1, "addk", ADDK)
 
         def scale(out: npt.NDArray[Any], a: npt.NDArray[Any], kk: int) -> None:
             out[:] = a * kk
 
-        sc = d0.program("scale", scale)
+        sc = _prog(d0, "scale", scale)
         a = _i64(8, d0)
         out = _i64(8, d0)
         out2 = _i64(8, d0)
@@ -311,10 +384,10 @@ async def test_variables_change_results_and_bad_bindings_send_nothing() -> None:
         np.testing.assert_array_equal(await _read(out), want)
 
 
-async def test_variable_out_of_c_parameter_range_sends_nothing() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
+async def test_variable_out_of_c_parameter_range_sends_nothing(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
         kk = Variable("kk", 0, 2**40)
-        addi = d.program("addi", ADDI)
+        addi = _prog(d, "addi", ADDI)
         a, out = _i64(4, d), _i64(4, d)
         await a.copyin(np.arange(4, dtype=I64))
         with hcqa.capture() as g:
@@ -361,9 +434,9 @@ async def test_submit_fence_means_whole_replay_done() -> None:
             c1.numpy_view()[:] = 0
 
 
-async def test_one_message_per_queue_per_replay() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as (d0, d1):
-        lin0 = d0.program("lin", _lin)
+async def test_one_message_per_queue_per_replay(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as (d0, d1):
+        lin0 = _prog(d0, "lin", _lin)
         a, b = _i64(4, d0), _i64(4, d0)
         t = _i64(4, d1)
         await a.copyin(np.ones(4, I64))
@@ -389,9 +462,9 @@ async def test_one_message_per_queue_per_replay() -> None:
 # -- redundant waits, dump -----------------------------------------------------------------------
 
 
-async def test_redundant_waits_are_dropped_and_dump_is_readable() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as (d0, d1):
-        lin0 = d0.program("make_x", _lin)
+async def test_redundant_waits_are_dropped_and_dump_is_readable(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as (d0, d1):
+        lin0 = _prog(d0, "make_x", _lin)
         x0, y0 = _i64(4, d0), _i64(4, d0)
         u1, v1 = _i64(4, d1), _i64(4, d1)
         src = np.array([1, 2, 3, 4], dtype=I64)
@@ -412,17 +485,18 @@ async def test_redundant_waits_are_dropped_and_dump_is_readable() -> None:
             for b in (x0, y0, u1, v1):
                 np.testing.assert_array_equal(await _read(b), want)
         text = g.dump()
-        for word in ("make_x", "copy", "transfer", "cpu:0 compute", "cpu:0 copy", "cpu:1 copy"):
+        words = ("make_x", "copy", "transfer")
+        for word in (*words, f"{d0.name} compute", f"{d0.name} copy", f"{d1.name} copy"):
             assert word in text, (word, text)
         assert len([line for line in text.splitlines() if line.startswith("  [")]) == 4
         assert "4 nodes" in text
         assert "Graph" in repr(g)
 
 
-async def test_diamond_across_three_devices() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", "cpu:2", hang_limit=10) as devs:
+async def test_diamond_across_three_devices(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 3), hang_limit=10) as devs:
         d0, d1, d2 = devs
-        lins = [d.program("lin", _lin) for d in devs]
+        lins = [_prog(d, "lin", _lin) for d in devs]
         src0 = _i64(4, d0)
         b1, c1 = _i64(4, d1), _i64(4, d1)
         b2, c2 = _i64(4, d2), _i64(4, d2)
@@ -656,14 +730,14 @@ async def test_cancelling_the_awaiting_task_leaves_devices_usable() -> None:
 # -- concurrent replays --------------------------------------------------------------------------
 
 
-async def test_concurrent_replays_from_several_tasks_serialize() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as (d0, d1):
+async def test_concurrent_replays_from_several_tasks_serialize(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as (d0, d1):
 
         def inc(acc: npt.NDArray[Any]) -> None:
             acc[:] = acc + 1
 
-        p_inc = d0.program("inc", inc)
-        p_acc = d1.program("acc", _acc)
+        p_inc = _prog(d0, "inc", inc)
+        p_acc = _prog(d1, "acc", _acc)
         acc0 = _i64(4, d0)
         t1, sum1 = _i64(4, d1), _i64(4, d1)
         await acc0.copyin(np.zeros(4, I64))
@@ -697,15 +771,15 @@ async def test_concurrent_replays_from_several_tasks_serialize() -> None:
 # -- the graph boundary against eager work ------------------------------------------------
 
 
-async def test_eager_write_replay_eager_read_without_awaits() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as (d0, d1):
+async def test_eager_write_replay_eager_read_without_awaits(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as (d0, d1):
 
         def slow_lin(out: npt.NDArray[Any], a: npt.NDArray[Any], k: int) -> None:
             time.sleep(0.01)
             out[:] = a * k
 
-        p0 = d0.program("slow_lin", slow_lin)
-        lin1 = d1.program("lin", _lin)
+        p0 = _prog(d0, "slow_lin", slow_lin)
+        lin1 = _prog(d1, "lin", _lin)
         a0, b0 = _i64(4, d0), _i64(4, d0)
         c1, e1 = _i64(4, d1), _i64(4, d1)
         with hcqa.capture() as g:
@@ -733,9 +807,9 @@ async def test_eager_write_replay_eager_read_without_awaits() -> None:
 # -- errors -------------------------------------------------------------------------------------
 
 
-async def test_capture_errors() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
-        lin = d.program("lin", _lin)
+async def test_capture_errors(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
+        lin = _prog(d, "lin", _lin)
         a = _i64(4, d)
         await a.copyin(np.ones(4, I64))
 
@@ -793,9 +867,9 @@ async def test_capture_errors() -> None:
         g.submit()
 
 
-async def test_capture_records_host_copies_and_replays_them() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=10) as (d0, d1):
-        lin0 = d0.program("lin", _lin)
+async def test_capture_records_host_copies_and_replays_them(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=10) as (d0, d1):
+        lin0 = _prog(d0, "lin", _lin)
         a0, b0 = _i64(4, d0), _i64(4, d0)
         t1 = _i64(4, d1)
         host_in = np.array([1, 2, 3, 4], dtype=I64)
@@ -816,8 +890,8 @@ async def test_capture_records_host_copies_and_replays_them() -> None:
 # -- regressions: bugs these tests found, now fixed --------------------------------------
 
 
-async def test_unwaited_transfer_before_waited_node_keeps_order() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", "cpu:2", hang_limit=10) as (d0, d1, d2):
+async def test_unwaited_transfer_before_waited_node_keeps_order(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 3), hang_limit=10) as (d0, d1, d2):
 
         def slow(out: npt.NDArray[Any], v: int) -> None:
             time.sleep(0.2)
@@ -826,7 +900,8 @@ async def test_unwaited_transfer_before_waited_node_keeps_order() -> None:
         def cp(out: npt.NDArray[Any], a: npt.NDArray[Any]) -> None:
             out[:] = a
 
-        p_slow, p_cp = d2.program("slow", slow), d1.program("cp", cp)
+        p_slow = d2.program("slow", slow) if kind == "cpu" else _prog(d2, "fill", None)
+        p_cp = _prog(d1, "cp", cp)
         a0 = _i64(4, d0)
         b1, c1, o1 = _i64(4, d1), _i64(4, d1), _i64(4, d1)
         s2 = _i64(4, d2)
@@ -839,13 +914,13 @@ async def test_unwaited_transfer_before_waited_node_keeps_order() -> None:
         np.testing.assert_array_equal(await _read(o1), [7] * 4)
 
 
-async def test_replay_after_free_is_refused() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
+async def test_replay_after_free_is_refused(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
 
         def fill(out: npt.NDArray[Any], k: int) -> None:
             out[:] = k
 
-        p = d.program("fill", fill)
+        p = _prog(d, "fill", fill)
         a = _i64(4, d)
         with hcqa.capture() as g:
             p(a, vals=(7,))
@@ -872,8 +947,8 @@ async def test_unawaited_replay_fault_is_raised_at_close() -> None:
             g.submit()  # never awaited
 
 
-async def test_dump_names_copyout() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
+async def test_dump_names_copyout(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
         a = _i64(4, d)
         out = np.zeros(4, I64)
         with hcqa.capture() as g:
@@ -884,9 +959,9 @@ async def test_dump_names_copyout() -> None:
         assert "copyout" in text and "transfer" not in text, text
 
 
-async def test_submit_async_is_captured_with_variables() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
-        addk = d.program("addk", ADDK)
+async def test_submit_async_is_captured_with_variables(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
+        addk = _prog(d, "addk", ADDK)
         n = Variable("n", 1, 4)
         a, out = _i64(4, d), _i64(4, d)
         await a.copyin(np.arange(4, dtype=I64))
@@ -898,9 +973,9 @@ async def test_submit_async_is_captured_with_variables() -> None:
         np.testing.assert_array_equal(await _read(out), [1, 2, 0, 0])
 
 
-async def test_timed_inside_capture_records_nothing() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=10) as d:
-        lin = d.program("lin", _lin)
+async def test_timed_inside_capture_records_nothing(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=10) as d:
+        lin = _prog(d, "lin", _lin)
         a = _i64(4, d)
         with hcqa.capture() as g:
             with pytest.raises(InvalidCommand):

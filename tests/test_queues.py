@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy.typing as npt
 import pytest
 import trio
 import trio.testing
+from _kinds import Count, add1, spec, specs
 
 import hcqa
 from hcqa import InvalidCommand, QueueFull, Signal, Variable
@@ -51,9 +53,9 @@ class Counter:
 # -- verbs -------------------------------------------------------------------------------
 
 
-async def test_verbs_chain_wait_exec_signal() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_verbs_chain_wait_exec_signal(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a = d.alloc(shape=(N,), dtype="float32")
         out = d.alloc(shape=(N,), dtype="float32")
         x = _f32()
@@ -75,8 +77,8 @@ async def test_verbs_chain_wait_exec_signal() -> None:
         np.testing.assert_array_equal(await _read(out), x + 1)
 
 
-async def test_memory_barrier_runs_on_both_queues() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_memory_barrier_runs_on_both_queues(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         s = Signal()
         f1 = d.compute_queue().memory_barrier().signal(s, 1).submit()
         f2 = d.copy_queue().wait(s, 1).memory_barrier().signal(s, 2).submit()
@@ -86,8 +88,8 @@ async def test_memory_barrier_runs_on_both_queues() -> None:
             await f2
 
 
-async def test_timestamp_writes_host_clock_microseconds() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_timestamp_writes_host_clock_microseconds(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         s, done = Signal(), Signal()
         t0 = time.monotonic_ns() / 1000
         fence = d.copy_queue().timestamp(s).signal(done, 1).submit()
@@ -115,22 +117,23 @@ async def test_timed_measures_the_kernel() -> None:
         assert (out.numpy_view() == 7).all()
 
 
-async def test_queue_statistics_count_batches() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        counter = Counter()
-        prog = d.program("count", counter)
+async def test_queue_statistics_count_batches(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        count = Count()
+        prog = count.program(d)
         out = d.alloc(16)
+        await count.zero(out)
         q = d.compute_queue().exec(prog, (out,))
         for _ in range(3):
             q.submit()
         await d.synchronize()
         stats = d.statistics().queues[0]
         assert isinstance(stats, hcqa.actors.QueueStatistics)
-        assert (stats.name, stats.kind) == ("cpu:0 compute", "compute")
+        assert (stats.name, stats.kind) == (f"{d.name} compute", "compute")
         assert (stats.submitted, stats.completed, stats.pending_batches) == (3, 3, 0)
         assert stats.capacity == 1024
         assert not stats.waiting
-        assert counter.calls == 3
+        assert await count.calls(out) == 3
 
 
 # -- variables ---------------------------------------------------------------------------
@@ -159,8 +162,8 @@ async def test_resubmit_100_times_with_signal_values() -> None:
         assert all(f.reached for f in fences)
 
 
-async def test_wait_and_signal_expressions() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_wait_and_signal_expressions(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         s = Signal()
         v = Variable("v", 1, 100)
         q = d.compute_queue().wait(s, v - 1).signal(s, v * 2 + 1)
@@ -173,9 +176,9 @@ async def test_wait_and_signal_expressions() -> None:
         assert s.value == 11
 
 
-async def test_variable_in_c_kernel_vals() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_variable_in_c_kernel_vals(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a = d.alloc(shape=(N,), dtype="float32")
         out = d.alloc(shape=(N,), dtype="float32")
         x = _f32()
@@ -194,8 +197,8 @@ async def test_variable_in_c_kernel_vals() -> None:
         np.testing.assert_array_equal(got[12:], 0)
 
 
-async def test_variable_in_copy_size() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_variable_in_copy_size(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         src = d.alloc(64)
         dst = d.alloc(64)
         await src.copyin(bytes(range(64)))
@@ -216,11 +219,12 @@ def _bad_bindings() -> list[Any]:
 
 
 @pytest.mark.parametrize("var_vals", _bad_bindings())
-async def test_unbound_or_out_of_range_queues_nothing(var_vals: Any) -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        counter = Counter()
-        prog = d.program("count", counter)
+async def test_unbound_or_out_of_range_queues_nothing(var_vals: Any, kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        count = Count()
+        prog = count.program(d)
         out = d.alloc(16)
+        await count.zero(out)
         s = Signal()
         v = Variable("v", 1, 10)
         q = d.compute_queue().exec(prog, (out,)).signal(s, v)
@@ -233,18 +237,18 @@ async def test_unbound_or_out_of_range_queues_nothing(var_vals: Any) -> None:
             await q.submit_async(var_vals=var_vals)
         await trio.testing.wait_all_tasks_blocked()
         assert d.statistics() == before
-        assert before.timeline_reserved == 0
-        assert counter.calls == 0
+        assert await count.calls(out) == 0  # (on opencl, a copyout: one more on the timeline)
         assert s.value == 0
         # the queue itself is still good
+        reserved = d.statistics().timeline_reserved
         await q.submit(var_vals={v: 7})
-        assert d.statistics().timeline_reserved == 1
-        assert (counter.calls, s.value) == (1, 7)
+        assert d.statistics().timeline_reserved == reserved + 1
+        assert (await count.calls(out), s.value) == (1, 7)
 
 
-async def test_bad_resolved_values_queue_nothing() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_bad_resolved_values_queue_nothing(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a = d.alloc(shape=(N,), dtype="float32")
         out = d.alloc(shape=(N,), dtype="float32")
         s = Signal()
@@ -267,9 +271,9 @@ async def test_bad_resolved_values_queue_nothing() -> None:
         assert d.statistics() == before
 
 
-async def test_c_kernel_variable_out_of_c_range_message() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("add1", ADD1)
+async def test_c_kernel_variable_out_of_c_range_message(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = add1(d)
         a = d.alloc(shape=(N,), dtype="float32")
         out = d.alloc(shape=(N,), dtype="float32")
         n = Variable("n", -(2**40), 2**40)
@@ -281,9 +285,9 @@ async def test_c_kernel_variable_out_of_c_range_message() -> None:
 # -- wrong queue, wrong types ------------------------------------------------------------
 
 
-async def test_exec_on_copy_queue_and_copy_on_compute_queue() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("count", Counter())
+async def test_exec_on_copy_queue_and_copy_on_compute_queue(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = Count().program(d)
         a, b = d.alloc(16), d.alloc(16)
         with pytest.raises(InvalidCommand, match="compute queue"):
             d.copy_queue().exec(prog, (a,))
@@ -291,20 +295,20 @@ async def test_exec_on_copy_queue_and_copy_on_compute_queue() -> None:
             d.compute_queue().copy(a, b, 16)
 
 
-async def test_cross_device_exec_and_copy_refused() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1", hang_limit=5) as (d0, d1):
-        prog0 = d0.program("count", Counter())
+async def test_cross_device_exec_and_copy_refused(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind, 2), hang_limit=5) as (d0, d1):
+        prog0 = Count().program(d0)
         a0, a1, b1 = d0.alloc(16), d1.alloc(16), d1.alloc(16)
-        with pytest.raises(InvalidCommand, match="cpu:1"):
+        with pytest.raises(InvalidCommand, match=re.escape(d1.name)):
             d1.compute_queue().exec(prog0, (a1,))
-        with pytest.raises(InvalidCommand, match="cpu:0"):
+        with pytest.raises(InvalidCommand, match=re.escape(d0.name)):
             d0.compute_queue().exec(prog0, (a1,))
         with pytest.raises(InvalidCommand, match="transfer"):
             d1.copy_queue().copy(b1, a0, 16)
 
 
-async def test_copy_size_checked_at_build() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_copy_size_checked_at_build(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         a, b = d.alloc(16), d.alloc(32)
         q = d.copy_queue()
         for n in (0, -1, 17):
@@ -313,9 +317,9 @@ async def test_copy_size_checked_at_build() -> None:
         assert len(q) == 0
 
 
-async def test_wrong_types() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        prog = d.program("count", Counter())
+async def test_wrong_types(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        prog = Count().program(d)
         a = d.alloc(16)
         s = Signal()
         cq, kq = d.compute_queue(), d.copy_queue()
@@ -349,8 +353,8 @@ async def test_wrong_types() -> None:
         assert len(kq) == 0
 
 
-async def test_queue_of_closed_device() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
+async def test_queue_of_closed_device(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
         s = Signal()
         q = d.compute_queue().signal(s, 1)
     with pytest.raises(hcqa.DeviceClosed):
@@ -367,17 +371,19 @@ async def _fill(d: hcqa.Device, q: hcqa.Queue, gate: Signal) -> list[hcqa.Fence]
     d.compute_queue().wait(gate, 1).submit()
     await trio.testing.wait_all_tasks_blocked()  # the actor took the batch and waits
     fences: list[hcqa.Fence] = []
-    with pytest.raises(QueueFull, match="cpu:0 compute"):
+    with pytest.raises(QueueFull, match=re.escape(f"{d.name} compute")):
         for _ in range(10):
             fences.append(q.submit())
     return fences
 
 
-async def test_submit_raises_queue_full() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5, queue_depth=2) as d:
-        counter = Counter()
-        prog = d.program("count", counter)
+async def test_submit_raises_queue_full(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5, queue_depth=2) as d:
+        count = Count()
+        prog = count.program(d)
         out = d.alloc(16)
+        await count.zero(out)
+        reserved = d.statistics().timeline_reserved
         gate = Signal()
         q = d.compute_queue().exec(prog, (out,))
         fences = await _fill(d, q, gate)
@@ -389,24 +395,25 @@ async def test_submit_raises_queue_full() -> None:
         with pytest.raises(QueueFull):
             prog(out)
         assert d.statistics() == before
-        assert counter.calls == 0
         gate.value = 1
         with trio.fail_after(5):
             for f in fences:
                 await f
             await d.synchronize()
-        assert counter.calls == 2
-        assert d.statistics().timeline_reserved == 3
+        assert d.statistics().timeline_reserved == reserved + 3
+        assert await count.calls(out) == 2
         # room again
         await q.submit()
-        assert counter.calls == 3
+        assert await count.calls(out) == 3
 
 
-async def test_submit_async_waits_for_room() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5, queue_depth=2) as d:
-        counter = Counter()
-        prog = d.program("count", counter)
+async def test_submit_async_waits_for_room(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5, queue_depth=2) as d:
+        count = Count()
+        prog = count.program(d)
         out = d.alloc(16)
+        await count.zero(out)
+        reserved = d.statistics().timeline_reserved
         gate = Signal()
         q = d.compute_queue().exec(prog, (out,))
         fences = await _fill(d, q, gate)
@@ -420,19 +427,20 @@ async def test_submit_async_waits_for_room() -> None:
                 nursery.start_soon(submit_late)
                 await trio.testing.wait_all_tasks_blocked()
                 assert late == []  # held back, nothing queued
-                assert d.statistics().timeline_reserved == 3
+                assert d.statistics().timeline_reserved == reserved + 3
                 gate.value = 1
             await late[0]
             for f in fences:
                 assert f.reached
-        assert counter.calls == 3
+        assert await count.calls(out) == 3
 
 
-async def test_submit_async_on_room_is_immediate() -> None:
-    async with hcqa.open_device("cpu:0", hang_limit=5) as d:
-        counter = Counter()
-        prog = d.program("count", counter)
+async def test_submit_async_on_room_is_immediate(kind: str) -> None:
+    async with hcqa.open_device(spec(kind), hang_limit=5) as d:
+        count = Count()
+        prog = count.program(d)
         out = d.alloc(16)
+        await count.zero(out)
         fence = await d.compute_queue().exec(prog, (out,)).submit_async()
         await fence
-        assert counter.calls == 1
+        assert await count.calls(out) == 1
