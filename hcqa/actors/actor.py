@@ -212,8 +212,7 @@ class QueueActor:
             # so nobody waits for work that will never run.
             if self._leftover:
                 self.engine.put(self._leftover)
-            with trio.CancelScope(shield=True):
-                await self._stop_engine()
+            await self._stop_engine()
 
     async def _loop(self) -> None:
         while True:
@@ -270,20 +269,33 @@ class QueueActor:
     async def _stop_engine(self) -> None:
         """Let the engine finish (drain) or skip (cancelled) its work, then join it.
 
-        Waits while the queue makes progress; a queue with no progress for the hang
-        limit is declared hung and its thread is left behind (a daemon)."""
+        A drain is cut short by a cancellation that arrives meanwhile (a deadline that
+        passes while the block closes): what has not started is skipped, as when the
+        block was left by the cancellation; the wait goes on shielded, for the kernel
+        that is running (the thread must end before the device's memory goes). Waits
+        while the queue makes progress; a queue with no progress for the hang limit is
+        declared hung and its thread is left behind (a daemon)."""
         self.engine.stop()
         limit = self.device.hang_limit
+        period = limit if not math.isinf(limit) else 3600.0
         seen = self.signal.value
+        cancelled: trio.Cancelled | None = None
         while True:
-            with trio.move_on_after(limit if not math.isinf(limit) else 3600.0):
-                await self.engine.exited.wait(1)
-                self.engine.join()
-                return
+            try:
+                with trio.CancelScope(shield=cancelled is not None), trio.move_on_after(period):
+                    await self.engine.exited.wait(1)
+                    self.engine.join()
+                    break
+            except trio.Cancelled as exc:  # the drain is cut short: skip what is left
+                self.device._cancel()
+                cancelled = exc
+                continue
             if self.signal.value == seen:
                 self.device._hung_at_close(self)
-                return
+                break
             seen = self.signal.value
+        if cancelled is not None:
+            raise cancelled
 
     def statistics(self) -> QueueStatistics:
         return QueueStatistics(
