@@ -18,10 +18,14 @@ reaped. The worker's ``PR_SET_PDEATHSIG`` (SIGKILL, set first thing, after which
 checks its parent is still the coordinator) then fires when the coordinator dies,
 whatever the worker is doing. The worker also exits at once when its socket closes.
 
-The coordinator waits for a worker's exit on a pidfd: one watcher task per worker
-(:meth:`WorkerProcess.watch`) reaps it and sets ``exited``; everyone else waits on that
-event. Killing goes through the ``Popen`` object, which is safe against pid reuse until
-the child is reaped.
+The coordinator waits for a worker's exit on a pidfd (:meth:`WorkerProcess.wait_exit`):
+the first waiter sleeps on the pidfd opened at spawn, any other on one of its own, and
+whoever wakes first reaps the worker. No wait depends on another task: a close that
+runs after a cancellation has taken the watcher tasks away still sees every worker
+exit. Killing goes through the ``Popen`` object, which is safe against pid reuse until
+the child is reaped (and every reap happens on the trio thread, between awaits).
+:func:`stop_workers` bounds the polite part (the stop message and the exits) by
+``grace`` and then kills, so a close always ends.
 """
 
 from __future__ import annotations
@@ -139,6 +143,7 @@ class WorkerProcess:
         self.popen = popen
         self.sock = sock
         self.pidfd = os.pidfd_open(popen.pid)
+        self._pidfd_busy = False  # a task sleeps on ``pidfd``
         self.exited = trio.Event()
         self.returncode: int | None = None
 
@@ -146,28 +151,38 @@ class WorkerProcess:
     def pid(self) -> int:
         return self.popen.pid
 
-    async def watch(self) -> int:
-        """Wait for the exit (the one waiter on the pidfd) and reap; returns the status."""
-        try:
-            await trio.lowlevel.wait_readable(self.pidfd)
-            self.returncode = self.popen.wait()
-        finally:
-            trio.lowlevel.notify_closing(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd = -1
+    async def wait_exit(self) -> int:
+        """Until the worker has exited; reaps it and returns its status. Any number of
+        tasks may wait, each on a pidfd (the spawn's, or its own while another task
+        sleeps on that one), so no wait relies on a task that may have been cancelled."""
+        while (code := self.popen.poll()) is None:
+            own = self._pidfd_busy or self.pidfd < 0
+            fd = os.pidfd_open(self.popen.pid) if own else self.pidfd
+            if not own:
+                self._pidfd_busy = True
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            finally:
+                if own:
+                    trio.lowlevel.notify_closing(fd)
+                    os.close(fd)
+                else:
+                    self._pidfd_busy = False
+        self.returncode = code
         self.exited.set()
-        return self.returncode
+        return code
 
     def kill(self) -> None:
         if self.popen.returncode is None:
             self.popen.send_signal(signal.SIGKILL)
 
     def reap(self) -> None:
-        """Last resort at close (the watcher is gone): kill and wait, blocking briefly."""
+        """Last resort at close (every wait is over): kill and wait, blocking briefly."""
         if self.popen.returncode is None:
             self.kill()
             self.popen.wait()
         if self.pidfd >= 0:
+            trio.lowlevel.notify_closing(self.pidfd)
             os.close(self.pidfd)
             self.pidfd = -1
 
@@ -211,16 +226,18 @@ def spawn_worker(
 
 
 async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:
-    """Ask every worker to stop; kill one still running after ``grace`` seconds."""
-    for w in workers:
-        try:
-            await send_message(w.sock, {"op": "stop"})
-        except (PeerGone, OSError):
-            pass
+    """Ask every worker to stop; kill those still running after ``grace`` seconds (the
+    stop messages count against it too) and wait for them to exit. Call it shielded: it
+    ends within ``grace`` plus the time SIGKILL takes, whatever was cancelled before."""
     with trio.move_on_after(grace):
         for w in workers:
-            await w.exited.wait()
+            try:
+                await send_message(w.sock, {"op": "stop"})
+            except (PeerGone, OSError):
+                pass
+        for w in workers:
+            await w.wait_exit()
     for w in workers:
         w.kill()
     for w in workers:
-        await w.exited.wait()
+        await w.wait_exit()

@@ -13,8 +13,12 @@ yielded. A worker that dies during the handshake is a ``DeviceFault`` naming it.
 
 Closing (whatever ends the block): a normal exit drains what was fed (within ``grace``);
 then the pipeline is closed -- parked tasks get ``DeviceClosed`` -- the workers are
-stopped (killed after ``grace``) and reaped, the fork thread ends, our views of the
-shared memory are dropped and, after the device, the signals are closed.
+stopped (killed after ``grace``; at once when the set-up did not finish) and reaped, the
+fork thread ends, our views of the shared memory are dropped and, after the device, the
+signals are closed. The stop runs shielded but bounded, and waits for each worker's exit
+on a pidfd of its own (see ``_spawn``), never on a task the cancellation took away: a
+block left by a cancellation (a deadline, a cancelled nursery, Ctrl-C) closes within
+``grace``.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ async def open_process_pipeline(
                 device, specs, in_shape=shape, dtype=dt, depth=depth, hang_limit=hang_limit
             )
             error: BaseException | None = None
+            started = False  # the block was entered: its workers stop politely
             try:
                 async with trio.open_nursery() as nursery:
                     try:
@@ -113,13 +118,15 @@ async def open_process_pipeline(
                             nursery.start_soon(pipe._watch, w, name=f"worker {w.index} watch")
                         nursery.start_soon(pipe._reap, name="process pipeline reaper")
                         nursery.start_soon(pipe._watchdog, name="process pipeline watchdog")
+                        started = True
                         yield pipe
                         await pipe._drain(grace)
                     except BaseException as exc:
                         error = exc
                     pipe._close()
                     with trio.CancelScope(shield=True):
-                        await stop_workers(pipe.workers, grace)
+                        # a set-up that failed or was cancelled: nothing to finish
+                        await stop_workers(pipe.workers, grace if started else 0.0)
                     nursery.cancel_scope.cancel()
             finally:
                 for w in pipe.workers:
@@ -153,7 +160,7 @@ def _stage_signals(i: int) -> list[str]:
 
 async def _died_starting(pipe: ProcessPipeline, worker: WorkerProcess) -> DeviceFault:
     with trio.move_on_after(1):
-        await worker.exited.wait()
+        await worker.wait_exit()
     code = worker.returncode
     status = "still running" if code is None else f"exit status {code}"
     return DeviceFault(

@@ -291,7 +291,7 @@ class ProcessPipeline:
 
     async def _watch_exit(self, worker: WorkerProcess) -> None:
         """The process's own exit (a pidfd): caught even if the socket stays open."""
-        code = await worker.watch()
+        code = await worker.wait_exit()
         self._fail(worker, f"exited with status {code}")
 
     def _fail(self, worker: WorkerProcess, what: str) -> None:
