@@ -312,6 +312,7 @@ if __name__ == "__main__":
         import ray as ray_
 
         ray_.init(
+            address="local",  # a cluster of its own, whatever else runs on the host
             num_cpus=1,
             include_dashboard=False,
             logging_level="ERROR",

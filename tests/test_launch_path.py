@@ -11,6 +11,7 @@ import gc
 import os
 import threading
 import weakref
+from typing import Any
 
 import attrs
 import numpy as np
@@ -110,6 +111,48 @@ async def test_which_copies_may_run_inline(host_visible: bool) -> None:
         # host copies through the staging ring stay on the copy engine
         assert d._inline(cmd.Copy(dest=a, src=ref, nbytes=host.nbytes)) is host_visible
         assert not d._inline(cmd.Load(dest=a, path="/dev/null", offset=0, nbytes=1))
+
+
+async def test_a_short_copy_of_a_file_mapping_goes_to_the_copy_engine(tmp_path: Any) -> None:
+    """A host array that maps a file may page-fault on the disk: never copied inline
+    (nor a view of it, nor an ``mmap``), and copied right by the engine. Plain host memory
+    of the same size may run inline."""
+    import mmap
+
+    from hcqa.devices.buffer import host_ref
+
+    path = tmp_path / "data.bin"
+    data = np.arange(4096, dtype=np.uint8)
+    data.tofile(path)
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(4096)
+
+        def inline(host: Any, *, out: bool = False) -> bool:
+            ref = host_ref(host, buf, writable=out)
+            ends = {"dest": ref, "src": buf} if out else {"dest": buf, "src": ref}
+            return d._inline(cmd.Copy(nbytes=4096, **ends))
+
+        assert inline(np.zeros(4096, np.uint8))
+        assert inline(np.zeros(4096, np.uint8), out=True)
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            for src in (mapped, mapped[:], np.frombuffer(raw, np.uint8), memoryview(raw)):
+                assert not inline(src), type(src)
+                buf.numpy_view()[:] = 0
+                await buf.copyin(src)
+                assert np.array_equal(buf.numpy_view(), data)
+            del src
+            out = np.memmap(tmp_path / "out.bin", dtype=np.uint8, mode="w+", shape=(4096,))
+            assert not inline(out, out=True)
+            await buf.copyout(out)
+            assert np.array_equal(out, data)
+            del out
+        finally:
+            del mapped
+            gc.collect()
+            raw.close()
 
 
 async def test_copies_of_every_size_land_in_order_on_one_queue() -> None:
@@ -234,7 +277,7 @@ async def _ran_on(d: hcqa.Device, prog: hcqa.Program, buf: hcqa.Buffer) -> tuple
 async def test_a_short_kernel_runs_inline_once_measured_and_stays_exact() -> None:
     from hcqa.devices.program import INLINE_AFTER
 
-    async with hcqa.open_device("cpu:0") as d:
+    async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         buf = d.alloc(16)
         prog = d.program("tid", TID_C)
         seen = [await _ran_on(d, prog, buf) for _ in range(1 + INLINE_AFTER)]
@@ -255,7 +298,7 @@ async def test_a_short_kernel_runs_inline_once_measured_and_stays_exact() -> Non
 
 
 async def test_a_kernel_slow_from_the_start_never_runs_inline() -> None:
-    async with hcqa.open_device("cpu:0") as d:
+    async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         buf = d.alloc(16)
         buf.numpy_view().view(np.int64)[1] = SPIN
         prog = d.program("tid", TID_C)
@@ -264,7 +307,7 @@ async def test_a_kernel_slow_from_the_start_never_runs_inline() -> None:
 
 
 async def test_an_inline_kernel_that_turns_slow_goes_back_to_the_engine() -> None:
-    async with hcqa.open_device("cpu:0") as d:
+    async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         buf = d.alloc(16)
         prog = d.program("tid", TID_C)
         for _ in range(200):
@@ -278,16 +321,83 @@ async def test_an_inline_kernel_that_turns_slow_goes_back_to_the_engine() -> Non
             assert (await _ran_on(d, prog, buf))[0] == "engine"
 
 
-async def test_inline_kernels_false_keeps_every_kernel_on_the_engine() -> None:
-    async with hcqa.open_device("cpu:0", inline_kernels=False) as d:
+@pytest.mark.parametrize("options", [{}, {"inline_kernels": False}])
+async def test_by_default_every_kernel_runs_on_its_engine(options: dict[str, bool]) -> None:
+    """The event loop never runs a kernel unless the device opted in: not a short repeat
+    C kernel (far past INLINE_AFTER short calls in a row), not a Python kernel."""
+    async with hcqa.open_device("cpu:0", **options) as d:
+        assert d.inline_kernels is False
         buf = d.alloc(16)
         prog = d.program("tid", TID_C)
-        for _ in range(50):  # far past INLINE_AFTER short calls in a row
+        for _ in range(50):
             where, _ = await _ran_on(d, prog, buf)
             assert where == "engine"
+        ran_on: list[int] = []
+        py = d.program("py", lambda out: ran_on.append(threading.get_native_id()))
+        for _ in range(10):
+            await py(buf)
+        assert threading.get_native_id() not in ran_on
     with pytest.raises(hcqa.InvalidCommand, match=r"'inline_kernels' must be a bool \(got int\)"):
         async with hcqa.open_device("cpu:0", inline_kernels=1):
             pass
+
+
+# Spins until CLOCK_MONOTONIC has advanced out[0] ns (0: returns at once).
+SPIN_NS_C = """
+#define _POSIX_C_SOURCE 200809L
+#include <time.h>
+static long long now(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+void spin_ns(long long *ns) {
+    long long end = now() + ns[0];
+    while (now() < end) {}
+}
+"""
+
+
+async def _loop_lag_during(d: hcqa.Device, long_ns: int) -> float:
+    """Warm ``spin_ns`` with short repeat calls, make the same call long and return the
+    longest gap (s) a 1 ms heartbeat saw on the event loop while it ran."""
+    buf = d.alloc(shape=(1,), dtype="int64")
+    prog = d.program("spin_ns", SPIN_NS_C)
+    for _ in range(20):  # short: measured, and inline where allowed
+        await prog(buf)
+    gaps: list[float] = []
+    done = False
+
+    async def heartbeat() -> None:
+        last = trio.current_time()
+        while not done:
+            await trio.sleep(0.001)
+            now = trio.current_time()
+            gaps.append(now - last)
+            last = now
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(heartbeat)
+        await trio.testing.wait_all_tasks_blocked()
+        buf.numpy_view()[0] = long_ns  # same buffers, same vals: a repeat call, long now
+        await prog(buf)
+        done = True
+    return max(gaps)
+
+
+async def test_a_long_c_kernel_leaves_the_loop_running_by_default() -> None:
+    """A repeat C kernel that turns long (300 ms) runs on the engine: the loop's
+    heartbeat keeps beating. Opted in, the same call holds the loop for its whole time
+    (what the opt-in's documentation warns of)."""
+    long_ns = 300_000_000
+    async with hcqa.open_device("cpu:0") as d:
+        lag = await _loop_lag_during(d, long_ns)
+    assert lag < 0.1, f"the event loop stalled {lag * 1e3:.0f} ms while a kernel ran"
+    async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
+        for _ in range(20):  # a host under load can make a short call slow: retry
+            lag = await _loop_lag_during(d, long_ns)
+            if lag >= 0.25:
+                break
+        assert lag >= 0.25, "the opted-in kernel never ran inline"
 
 
 # -- a program's launch record (the repeat-call fast path) ------------------------------------

@@ -114,12 +114,12 @@ class Device(Faults):
         queue_depth: int,
         memory: int,
         timeline_start: int = 0,
-        inline_kernels: bool = True,
+        inline_kernels: bool = False,
     ) -> None:
         self.name = name
         self.hang_limit = hang_limit
         self.host_visible = host_visible
-        self.inline_kernels = inline_kernels  # short repeat kernel calls may run inline
+        self.inline_kernels = inline_kernels  # opt-in: short repeat kernel calls run inline
         self.allocator = self._make_allocator(memory)
         self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
         self._error: BaseException | None = None

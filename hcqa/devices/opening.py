@@ -72,7 +72,7 @@ def _options(
     queue_depth: int = 1024,
     memory: int | None = None,
     timeline_start: int = 0,
-    inline_kernels: bool = True,
+    inline_kernels: bool = False,
 ) -> dict[str, Any]:
     if isinstance(hang_limit, bool) or not isinstance(hang_limit, (int, float)):
         raise InvalidCommand(
@@ -109,10 +109,14 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
 
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes),
-    ``inline_kernels`` (default True: a repeat call of a C kernel measured short -- at most
-    20 us, three times in a row -- runs on the caller's thread when its queue is idle;
-    False keeps every kernel on the engine thread). Under asyncio the block is held by a
-    trio task of the loop's host (see ``hcqa.aio``).
+    ``inline_kernels`` (default False: every kernel runs on its engine thread, so the
+    event loop never runs one; True opts in to running a repeat call of a C kernel
+    measured short -- at most 20 us, three times in a row -- on the caller's thread when
+    its queue is idle: only for kernels whose time is known to be fixed, since one whose
+    time depends on its data holds the event loop for a whole call when it turns long).
+    Short copies (at most 1 MiB between memory that is not a file mapping) run on the
+    caller's thread either way. Under asyncio the block is held by a trio task of the
+    loop's host (see ``hcqa.aio``).
     """
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:

@@ -18,17 +18,24 @@ device-to-device copies stay direct.
 
 A direct copy of at most ``INLINE_COPY_MAX`` (1 MiB) bytes, alone in its batch, on
 an idle copy queue with no hazard to wait for, runs inline on the caller's thread
-(``_inline``): the fence is reached when the call returns. So does a C kernel's
-repeat call once it was measured short (``program._Launch``): at most 20 us in each
-of three calls in a row.
+(``_inline``): the fence is reached when the call returns. It is bounded: a
+``memmove`` of 1 MiB between resident pages takes tens of microseconds, about what the
+copy engine's two thread wake-ups would cost. A host array that maps a file
+(``np.memmap``, an ``mmap``) is copied by the engine: its page faults may wait for the
+disk. A kernel never runs on the caller's thread unless the device was opened with
+``inline_kernels=True``; then a C kernel's repeat call does once it was measured short
+(``program._Launch``): at most 20 us in each of three calls in a row.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from hcqa import commands as cmd
 from hcqa._native.compiler import compile_c
@@ -44,6 +51,21 @@ __all__ = ["CpuDevice"]
 _memmove = ctypes.memmove
 
 INLINE_COPY_MAX = 1 << 20  # bytes: a direct copy this short may run on the caller's thread
+
+
+def _maps_a_file(end: Any) -> bool:
+    """Whether a copy's host end is (a view of) a file mapping: ``np.memmap``, ``mmap``."""
+    if type(end) is not cmd.HostMemoryRef:
+        return False
+    keep = end.keep  # (what the caller passed, its array): see ``buffer.host_ref``
+    obj = keep[0] if type(keep) is tuple and keep else keep
+    for _ in range(8):  # a view's chain of bases
+        if isinstance(obj, np.memmap | mmap.mmap):
+            return True
+        obj = obj.base if isinstance(obj, np.ndarray) else getattr(obj, "obj", None)
+        if obj is None:
+            return False
+    return True  # a chain this long: don't guess
 
 
 def _bytes_at(addr: int, n: int) -> memoryview:
@@ -87,18 +109,21 @@ class CpuDevice(Device):
     def _inline(self, command: Any) -> bool:
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
         the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
-        wake-ups the copy engine would cost (and no longer than the event loop may be held).
-        So do a C kernel's repeat calls once measured short (``program._Launch``), unless
-        the device was opened with ``inline_kernels=False``."""
+        wake-ups the copy engine would cost (and no longer than the event loop may be held)
+        -- unless a host end maps a file, whose page faults may wait for the disk. A C
+        kernel's repeat calls once measured short (``program._Launch``) only when the
+        device was opened with ``inline_kernels=True``."""
         if type(command) is cmd.Exec:
             return command.inline and self.inline_kernels
         if type(command) is not cmd.Copy:
             return False
         n = command.nbytes
+        src, dest = command.src, command.dest
         return (
             type(n) is int
             and n <= INLINE_COPY_MAX
-            and not (self._staged(command.src) or self._staged(command.dest))
+            and not (self._staged(src) or self._staged(dest))
+            and not (_maps_a_file(src) or _maps_a_file(dest))
         )
 
     # -- engine handlers (run in engine threads) ------------------------------------------
