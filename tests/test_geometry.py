@@ -127,6 +127,52 @@ async def test_geometry_is_refused_where_it_cannot_be_received() -> None:
     assert calls == [5, 6, 7]
 
 
+C_COUNT = """
+#include <stdint.h>
+void count(int32_t *out, int k) { out[k] += 1; }
+"""
+
+
+@pytest.mark.parametrize("between", [False, True])
+async def test_graph_refuses_a_symbolic_size_a_plain_c_kernel_cannot_receive(
+    between: bool,
+) -> None:
+    """A plain C kernel (no geometry=True) captured with a Variable launch size: each
+    replay resolves and checks it as a Queue submit does -- a size other than (1, 1, 1)
+    or out of the Variable's range is InvalidCommand before anything runs, never dropped;
+    (1, 1, 1) runs. Alone, or between two fusable C kernels (the capture must not fail)."""
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            prog = d.program("count", C_COUNT)
+            out = d.alloc(shape=(3,), dtype="int32")
+            await out.copyin(np.zeros(3, np.int32))
+            n = hcqa.Variable("n", 1, 64)
+            with hcqa.capture() as g:
+                if between:
+                    prog(out, vals=(0,))
+                prog(out, vals=(1,), global_size=(n, 1, 1))
+                prog(out, vals=(1,), local_size=(1, n, 1))
+                if between:
+                    prog(out, vals=(2,))
+            reserved = d.statistics().timeline_reserved
+            for v, match in (
+                (8, r"can't receive 'global_size': it must be \(1, 1, 1\) \(got \(8, 1, 1\)\)"),
+                (0, r"variable 'n' must be in \[1, 64\] \(got 0\)"),
+            ):
+                with pytest.raises(InvalidCommand, match=match):
+                    await g(n=v)
+            assert d.statistics().timeline_reserved == reserved  # nothing was queued
+            host = np.empty(3, np.int32)
+            await out.copyout(host)
+            assert host.tolist() == [0, 0, 0]
+            await g(n=1)
+            await out.copyout(host)
+            assert host.tolist() == ([1, 2, 1] if between else [0, 2, 0])
+            q = d.compute_queue().exec(prog, (out,), vals=(1,), global_size=(n, 1, 1))
+            with pytest.raises(InvalidCommand, match="can't receive 'global_size'"):
+                q.submit({n: 8})  # the Queue path refuses alike
+
+
 async def test_c_kernel_with_geometry_true_gets_six_trailing_ints() -> None:
     with trio.fail_after(TIMEOUT):
         async with hcqa.open_device("cpu:0") as d:

@@ -316,13 +316,15 @@ class Program:
         local_size: Sequence[IntLike] = _ONE,
     ) -> tuple[int, ...] | None:
         """A C kernel's call arguments (buffer addresses, vals, then the geometry if it
-        takes it), when every one is concrete (else None)."""
+        takes it), when every one is concrete (else None). A symbolic launch size makes
+        them None even for a kernel that does not receive it: it must still be resolved
+        and checked (``check_geometry``) before each run, never dropped."""
         if self.kernel is None or not all(type(v) is int for v in vals):
             return None
+        geometry = (*global_size, *local_size)
+        if not all(type(v) is int for v in geometry):
+            return None
         if self.geometry:
-            geometry = (*global_size, *local_size)
-            if not all(type(v) is int for v in geometry):
-                return None
             return (*(b.va_addr for b in bufs), *vals, *geometry)  # type: ignore[arg-type]
         return (*(b.va_addr for b in bufs), *vals)  # type: ignore[arg-type]
 
