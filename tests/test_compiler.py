@@ -168,6 +168,33 @@ def test_missing_symbol_after_compile(tmp_path: Path) -> None:
         compile_c(src, "add1", cache_dir=tmp_path)
 
 
+def test_a_call_to_an_undefined_function_is_refused_and_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It compiles (an implicit or extern declaration) but the loader refuses it: an
+    InvalidCommand carrying the loader's message, and nothing left in the cache -- a
+    second try compiles again and says the same, and so does a device's program()."""
+    import trio
+
+    import hcqa
+
+    src = "void hcqa_nowhere(int n);\nvoid k(float *out, int n) { hcqa_nowhere(n); }\n"
+    for _ in range(2):
+        with pytest.raises(InvalidCommand, match="undefined symbol: hcqa_nowhere") as info:
+            compile_c(src, "k", cache_dir=tmp_path)
+        assert "'k' compiled but could not be loaded" in str(info.value)
+        assert not list(tmp_path.iterdir())  # evicted (and no temporary files)
+
+    async def program() -> None:
+        async with hcqa.open_device("cpu:0") as d:
+            with pytest.raises(InvalidCommand, match="undefined symbol: hcqa_nowhere"):
+                d.program("k", src)
+
+    monkeypatch.setenv("HCQA_CACHE_DIR", str(tmp_path))
+    trio.run(program)
+    assert not list(tmp_path.iterdir())
+
+
 def test_no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidCommand, match="not found"):
         compile_c(ADD1, "add1", cache_dir=tmp_path, cc="/nonexistent/hcqa-cc")

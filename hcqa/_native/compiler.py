@@ -12,6 +12,8 @@ compiler's path and ``--version`` line, every flag and the source. A hit touches
 (the version line is looked up once per compiler per process). A miss compiles into a temporary
 file in the cache directory and ``os.replace``-s it into place, so concurrent threads and
 processes that race on one key each publish a complete library and never see a partial one.
+A library the loader refuses (a call to a function defined nowhere: "undefined symbol") is
+rebuilt once; refused again, it is removed from the cache and the error is InvalidCommand.
 
 The cache holds code this process will run, so it must be private: the directory is
 made 0700 and refused unless this user owns it (one of ours left open to others is
@@ -336,7 +338,17 @@ def compile_c(
         lib = _load(str(so))
     except OSError:  # a damaged cache entry: build it again, once
         _build(cmd, all_flags, source, entry, so)
-        lib = _load(str(so))
+        try:
+            lib = _load(str(so))
+        except OSError as exc:  # a fresh build the loader refuses (an undefined symbol)
+            with suppress(FileNotFoundError):
+                os.unlink(so)  # never cached: the next call compiles again
+            why = str(exc).replace(str(so), f"{entry}.so")
+            raise InvalidCommand(
+                f"C kernel {entry!r} compiled but could not be loaded: {why} (a function "
+                "it calls must be defined in its source or in a library this process has "
+                "loaded)"
+            ) from None
     try:
         fn = lib[entry]
     except AttributeError as exc:
