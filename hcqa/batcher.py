@@ -42,6 +42,8 @@ finished batch) or until the oldest request's ``max_wait`` deadline.
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -276,6 +278,16 @@ def _is_pipeline(target: Any) -> bool:
     return all(hasattr(target, a) for a in ("in_shape", "dtype", "depth")) and callable(target)
 
 
+def _is_async_callable(target: Any) -> bool:
+    """An ``async def`` function, a partial of one, or an object whose ``__call__`` is one."""
+    while isinstance(target, functools.partial):
+        target = target.func
+    if inspect.iscoroutinefunction(target):
+        return True
+    call = getattr(target, "__call__", None)  # noqa: B004  (a callable object's method)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
 @aio.rehosts
 @asynccontextmanager
 async def open_batcher(
@@ -318,6 +330,13 @@ async def open_batcher(
     elif _is_pipeline(target):
         pipes = [target]
     elif callable(target):
+        if not _is_async_callable(target):
+            name = getattr(target, "__name__", None) or type(target).__name__
+            raise InvalidCommand(
+                "the batch target must be an async callable (async def), a Pipeline or a "
+                f"ProcessPipeline (got the plain callable {name!r}: define it with async def, "
+                "or wrap it in one)"
+            )
         pipes = []
     else:
         raise InvalidCommand(

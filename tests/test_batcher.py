@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -388,6 +389,32 @@ async def test_pipeline_settings_must_match_the_pipeline() -> None:
     with pytest.raises(hcqa.InvalidCommand, match="got int"):
         async with hcqa.open_batcher(3, max_batch=1, sample_shape=(1,), dtype="f4"):
             pytest.fail("opened")
+
+
+async def test_a_plain_function_target_is_refused_at_open() -> None:
+    """A sync function (or a lambda, or an object with a sync ``__call__``) as the target
+    would fail every call with Python's await error: refused when the block opens. An
+    async def function, a partial of one and an object with an async ``__call__`` open."""
+
+    def plain(x: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return x
+
+    class Sync:
+        def __call__(self, x: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return x
+
+    async def scaled(x: npt.NDArray[Any], k: float) -> npt.NDArray[Any]:
+        return x * k
+
+    for target, name in ((plain, "plain"), (lambda x: x, "<lambda>"), (Sync(), "Sync")):
+        with pytest.raises(hcqa.InvalidCommand, match="must be an async callable") as info:
+            async with opened(target):
+                pytest.fail("opened")
+        assert f"(got the plain callable {name!r}" in str(info.value), info.value
+    for good in (functools.partial(scaled, k=2.0), Recorder()):
+        async with opened(good, max_wait=0.0) as batch:
+            row = await batch(np.ones(SAMPLE, np.float32))
+            assert row.shape == SAMPLE
 
 
 @pytest.fixture
