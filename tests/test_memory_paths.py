@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -423,7 +424,10 @@ async def test_alloc_forms() -> None:
         ((), {"shape": (0,), "dtype": "f4"}, InvalidCommand),
         ((), {"shape": (2, -1), "dtype": "f4"}, InvalidCommand),
         ((), {"shape": (2.0,), "dtype": "f4"}, InvalidCommand),
-        ((), {"shape": [4], "dtype": "f4"}, InvalidCommand),
+        ((), {"shape": ["4"], "dtype": "f4"}, InvalidCommand),
+        ((), {"shape": "4", "dtype": "f4"}, InvalidCommand),
+        ((), {"shape": (True, 2), "dtype": "f4"}, InvalidCommand),
+        ((), {"shape": np.zeros((2, 2), np.int64), "dtype": "f4"}, InvalidCommand),
         ((), {"shape": True, "dtype": "f4"}, InvalidCommand),
         ((), {"shape": (4,), "dtype": "object"}, InvalidCommand),
         ((), {"shape": (4,), "dtype": "no-such-dtype"}, TypeError),
@@ -687,3 +691,68 @@ async def test_fault_on_transfer_destination_leaves_the_source_healthy() -> None
             with trio.fail_after(0.5):
                 await d0.synchronize()
             assert d0.faulted is None
+
+
+async def test_a_shape_is_an_int_or_any_sequence_of_ints() -> None:
+    """alloc, view and import_buffer take the same shapes: an int, a tuple, a list, numpy
+    integers or a 1-d integer array -- the buffer's shape is a tuple of ints."""
+    async with hcqa.open_device("cpu:0") as d:
+        for shape, want in (
+            (256, (256,)),
+            ((16, 16), (16, 16)),
+            ([16, 16], (16, 16)),
+            (np.int64(8), (8,)),
+            ([np.int32(4), 2], (4, 2)),
+            (np.array([2, 3]), (2, 3)),
+        ):
+            buf = d.alloc(shape=shape, dtype="float32")
+            assert buf.shape == want and all(type(x) is int for x in buf.shape)
+            assert buf.nbytes == 4 * int(np.prod(want))
+            view = buf.view(0, buf.nbytes, dtype="float32", shape=shape)
+            assert view.shape == want
+        raw = d.alloc(64, shared=True)
+        fd, _ = raw.export()
+        imported = d.import_buffer(os.dup(fd), 64, dtype="float32", shape=[4, 4])
+        assert imported.shape == (4, 4)
+
+
+async def test_a_freed_buffer_makes_no_view() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        buf = d.alloc(64)
+        view = buf.view(0, 8)
+        buf.free()
+        for b in (buf, view):
+            with pytest.raises(InvalidCommand, match="was freed"):
+                b.view(0, 4)
+        kept = d.alloc(64)
+    with pytest.raises(hcqa.DeviceClosed):
+        kept.view(0, 4)
+
+
+async def test_transfer_refuses_the_mismatches_copyin_refuses() -> None:
+    """One rule for both: where both ends carry a dtype they must have the same dtype and
+    shape (bytes are never converted); a raw buffer or bytes matches any of its size."""
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        f32 = d0.alloc(shape=(4,), dtype="float32")
+        await f32.copyin(np.array([1.5, -2.0, 3.25, 0.0], np.float32))
+        i32, square = d1.alloc(shape=(4,), dtype="int32"), d1.alloc(shape=(2, 2), dtype="float32")
+        reserved = d1.statistics().timeline_reserved
+        with pytest.raises(InvalidCommand, match="dtype must be int32") as copyin:
+            i32.copyin(np.zeros(4, np.float32))
+        with pytest.raises(InvalidCommand, match="src dtype must be int32, dest's") as moved:
+            hcqa.transfer(i32, f32)
+        assert "(got float32)" in str(copyin.value) and "(got float32)" in str(moved.value)
+        with pytest.raises(InvalidCommand, match=r"shape must be \(2, 2\)"):
+            square.copyin(np.zeros(4, np.float32))
+        with pytest.raises(InvalidCommand, match=r"src shape must be \(2, 2\), dest's"):
+            hcqa.transfer(square, f32)
+        assert d1.statistics().timeline_reserved == reserved  # nothing was queued
+        raw = d1.alloc(16)  # bytes: any end of its size, both ways
+        await hcqa.transfer(raw, f32)
+        await hcqa.transfer(f32, raw)
+        await raw.copyin(np.zeros(4, np.int32))
+        await hcqa.transfer(i32, f32.view(0, 16, dtype="int32"))  # reinterpreting on purpose
+        out = np.empty(4, np.int32)
+        await i32.copyout(out)
+        assert out.tolist() == np.array([1.5, -2.0, 3.25, 0.0], np.float32).view(np.int32).tolist()
+        await hcqa.transfer(square, f32.view(0, 16, dtype="float32", shape=[2, 2]))

@@ -191,18 +191,17 @@ class Device(Faults):
         self,
         nbytes: int | None = None,
         *,
-        shape: tuple[int, ...] | int | None = None,
+        shape: Sequence[int] | int | None = None,
         dtype: npt.DTypeLike | None = None,
         shared: bool = False,
     ) -> Buffer:
-        """Allocate ``nbytes`` raw bytes, or a typed buffer of ``shape`` and ``dtype``.
+        """Allocate ``nbytes`` raw bytes, or a typed buffer of ``shape`` (an int or a
+        sequence of ints: ``256``, ``(16, 16)``, ``[16, 16]``) and ``dtype``.
 
         ``shared=True`` puts it in memory another process can map (``Buffer.export``)."""
         self._check_usable()
         if not isinstance(shared, bool):
             raise InvalidCommand(f"'shared' must be a bool (got {type(shared).__name__})")
-        if isinstance(shape, bool):
-            raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
         n, dt, shp = typed_size(nbytes, dtype, shape)  # an int shape becomes (shape,)
         if shared:  # counted against the device's memory like any allocation
             size = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -225,7 +224,7 @@ class Device(Faults):
         *,
         offset: int = 0,
         dtype: npt.DTypeLike | None = None,
-        shape: tuple[int, ...] | list[int] | None = None,
+        shape: Sequence[int] | int | None = None,
     ) -> Buffer:
         """A buffer over shared memory exported by another process.
 
@@ -234,8 +233,7 @@ class Device(Faults):
         self._check_usable()
         if not self.host_visible:
             raise InvalidCommand(f"{self.name} is not host-visible: it can't map shared memory")
-        shp = tuple(shape) if isinstance(shape, (tuple, list)) else shape
-        n, dt, shp = typed_size(nbytes, dtype, shp)
+        n, dt, shp = typed_size(nbytes, dtype, shape)
         offset = check_size("offset", offset)
         if isinstance(fd, bool) or not isinstance(fd, int):
             raise InvalidCommand(f"'fd' must be an int file descriptor (got {type(fd).__name__})")

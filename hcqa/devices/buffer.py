@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -208,9 +208,11 @@ class Buffer:
         nbytes: int,
         *,
         dtype: npt.DTypeLike | None = None,
-        shape: tuple[int, ...] | None = None,
+        shape: Sequence[int] | int | None = None,
     ) -> Buffer:
-        """A buffer over ``[offset, offset + nbytes)`` of this one, sharing its memory."""
+        """A buffer over ``[offset, offset + nbytes)`` of this one, sharing its memory.
+        ``shape``: an int or a sequence of ints (with ``dtype``)."""
+        self._check()  # not of a freed buffer, nor on a closed device
         offset = check_size("offset", offset)
         nbytes = check_size("nbytes", nbytes, minimum=1)
         if offset + nbytes > self.nbytes:
@@ -329,8 +331,26 @@ class Buffer:
         return f"<Buffer {self.device.name} {self.nbytes} bytes{typed}{view}>"
 
 
+def check_shape(shape: object) -> tuple[int, ...]:
+    """``shape`` as a tuple: an int, or a sequence (tuple, list, 1-d array) of ints, each
+    > 0 (numpy integers too; never a bool or a str)."""
+    if isinstance(shape, int | np.integer) and not isinstance(shape, bool):
+        dims: tuple[Any, ...] = (shape,)
+    elif isinstance(shape, Sequence) and not isinstance(shape, str | bytes):
+        dims = tuple(shape)
+    elif isinstance(shape, np.ndarray) and shape.ndim == 1:
+        dims = tuple(shape.tolist())
+    else:
+        dims = (None,)
+    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise InvalidCommand(
+            f"'shape' must be an int or a sequence of positive ints (got {shape!r})"
+        )
+    return tuple(int(d) for d in dims)
+
+
 def _typed(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | int | None
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: Sequence[int] | int | None
 ) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
     """Check ``dtype`` / ``shape`` against ``nbytes``; the dtype and shape to keep."""
     if dtype is None:
@@ -348,12 +368,7 @@ def _typed(
                 f"'nbytes' must be a multiple of {dt} itemsize {dt.itemsize} (got {nbytes})"
             )
         return dt, (nbytes // dt.itemsize,)
-    if isinstance(shape, int):
-        shape = (shape,)
-    if not isinstance(shape, tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape
-    ):
-        raise InvalidCommand(f"'shape' must be a tuple of positive ints (got {shape!r})")
+    shape = check_shape(shape)
     need = math.prod(shape) * dt.itemsize
     if nbytes is not None and nbytes != need:
         raise InvalidCommand(
@@ -363,7 +378,7 @@ def _typed(
 
 
 def typed_size(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: tuple[int, ...] | int | None
+    nbytes: int | None, dtype: npt.DTypeLike | None, shape: Sequence[int] | int | None
 ) -> tuple[int, np.dtype[Any] | None, tuple[int, ...] | None]:
     """Resolve ``alloc``'s arguments into (nbytes, dtype, shape)."""
     if nbytes is not None:

@@ -184,6 +184,9 @@ async def open_device(spec: str, **options: Any) -> AsyncIterator[Device]:
 def transfer(dest: Buffer, src: Buffer) -> Fence:
     """Copy ``src`` into ``dest`` (same size), across devices or within one.
 
+    Copies bytes, never converts: as ``copyin`` does for a host array, two typed buffers
+    must have the same dtype and shape (a raw buffer matches any of its size); to
+    reinterpret on purpose, transfer a view (``src.view(0, src.nbytes, dtype=...)``).
     Runs on the destination's copy queue, after the source's last write and the
     destination's last uses; ordered on both devices' timelines. Returns the
     destination timeline's Fence."""
@@ -197,6 +200,18 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
         raise InvalidCommand(
             f"transfer needs equal sizes: dest has {dest.nbytes} bytes (got src of {src.nbytes})"
         )
+    if dest.dtype is not None and src.dtype is not None:
+        if src.dtype != dest.dtype:
+            raise InvalidCommand(
+                f"transfer: src dtype must be {dest.dtype}, dest's (got {src.dtype}); a "
+                "transfer copies bytes and never converts: to reinterpret them, transfer "
+                f"src.view(0, {src.nbytes}, dtype=...)"
+            )
+        if src.shape != dest.shape:
+            raise InvalidCommand(
+                f"transfer: src shape must be {dest.shape}, dest's (got {src.shape}); "
+                f"to reshape, transfer src.view(0, {src.nbytes}, dtype=..., shape=...)"
+            )
     device = dest.device
     also = (src.device,) if src.device is not device else ()
     command = cmd.Copy(dest=dest, src=src, nbytes=dest.nbytes)
