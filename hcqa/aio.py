@@ -28,7 +28,9 @@ Three ways an asyncio caller's await is served:
   task that enters the context manager, hands the value over, and leaves it with
   the body's exception (so the block drains or cancels exactly as under trio) --
   :func:`hosted`; an opener decorated with :func:`rehosts` does that by itself when
-  an asyncio task enters it;
+  an asyncio task enters it. An asyncio cancellation while the block is entered
+  cancels the entering (a cancel scope around it), so a set-up is cut short at the
+  await it is in, as a trio cancellation would cut it;
 * other awaits (graph replay, ``Pipeline``, a process pipeline call,
   ``Queue.submit_async``) run as a trio task in the host's nursery -- :func:`call`.
   Its result or exception (the same instance, never wrapped) goes back through an
@@ -295,17 +297,25 @@ class _Gate:
         self.value: Any = None
         self.body_error: BaseException | None = None
         self.outcome: outcome.Outcome[None] | None = None
+        self.setup: trio.CancelScope | None = None  # around the manager's entering
+        self.cancelled = False  # the asyncio caller was cancelled while it entered
 
 
 async def _hold(gate: _Gate, make: Callable[[], AbstractAsyncContextManager[Any]]) -> None:
     result: outcome.Outcome[None] = outcome.Value(None)
     try:
-        async with make() as value:
-            gate.value = value
-            gate.entered.set_result(None)
-            await gate.leave.wait()
-            if gate.body_error is not None:
-                raise gate.body_error
+        # An asyncio cancellation while the manager enters cancels this scope: the set-up
+        # is cut short as a trio cancellation would cut it (see ``hosted``).
+        with trio.CancelScope() as gate.setup:
+            if gate.cancelled:
+                gate.setup.cancel()
+            async with make() as value:
+                gate.setup = None  # entered: from here the body's exception leaves it
+                gate.value = value
+                gate.entered.set_result(None)
+                await gate.leave.wait()
+                if gate.body_error is not None:
+                    raise gate.body_error
     except trio.Cancelled:
         result = outcome.Error(DeviceClosed("hcqa's trio host stopped inside a block"))
         raise
@@ -325,7 +335,8 @@ async def hosted(
     """From an asyncio task: ``async with make() as value`` held by a trio task of the
     loop's host (started here if need be). The body's exception is raised inside the
     trio block, so the manager sees it exactly as under trio; what leaves the block is
-    what the manager raised (the body's own exception, unwrapped, or its own)."""
+    what the manager raised (the body's own exception, unwrapped, or its own). Cancelled
+    while entering, the entering is cancelled (trio's Cancelled in the set-up)."""
     host = await _acquire()
     try:
         assert host.nursery is not None
@@ -334,7 +345,12 @@ async def hosted(
         try:
             await asyncio.wait((gate.entered,))
         except asyncio.CancelledError as exc:
-            gate.body_error = exc  # enter, then leave at once with the cancellation
+            # cut the set-up short (a trio cancellation of the entering task), or, if it
+            # just finished, leave at once with the cancellation
+            gate.cancelled = True
+            if gate.setup is not None:
+                gate.setup.cancel()
+            gate.body_error = exc
             gate.leave.set()
             await _settle(gate.done)
             raise

@@ -670,3 +670,49 @@ def test_an_opener_decides_who_holds_its_block_when_it_is_entered() -> None:
             assert d.name == "cpu:0"
 
     trio.run(under_trio)
+
+
+def test_an_asyncio_cancellation_cuts_a_hosted_set_up_short() -> None:
+    """Cancelled while the hosted opener sets up, the set-up gets trio's Cancelled at the
+    await it is in (as under trio) instead of running to its end first: an opener whose
+    set-up would never end still leaves, its clean-up run; so does a process pipeline."""
+    from collections.abc import AsyncIterator
+    from contextlib import asynccontextmanager
+
+    seen: list[str] = []
+    release = trio.Event()  # ends the set-up if the cancellation does not (the failure)
+
+    @aio.rehosts
+    @asynccontextmanager
+    async def slow_to_open() -> AsyncIterator[None]:
+        try:
+            seen.append("setting up")
+            await release.wait()  # a set-up that only a cancellation ends
+            yield
+        except trio.Cancelled:
+            seen.append("cancelled in set-up")
+            raise
+
+    async def main() -> None:
+        task = asyncio.ensure_future(slow_to_open().__aenter__())
+        while not seen:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        if not done:
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            pytest.fail("the hosted set-up ran on after its caller was cancelled")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen == ["setting up", "cancelled in set-up"]
+        assert not aio._hosts
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):  # long before its workers are up
+                async with hcqa.open_process_pipeline(["hcqa.workers:add_one"], in_shape=(4,)):
+                    pytest.fail("opened")
+        assert time.monotonic() - t0 < 5.0  # the workers' start-up was cut short
+
+    run(main)
