@@ -53,6 +53,7 @@ BENCHES: tuple[str, ...] = (
     "bench_pipeline",
     "bench_workers",
     "bench_opencl",
+    "bench_serve",
 )
 STATES = ("met", "MISSED", "skipped", "n/a")
 
