@@ -528,3 +528,69 @@ def test_cli_checks_models_before_opening_devices(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert words in err
+
+
+def _opencl_opens() -> str | None:
+    """None when an opencl:0 device opens here, else why not."""
+
+    async def probe() -> None:
+        async with hcqa.open_devices("opencl:0"):
+            pass
+
+    try:
+        trio.run(probe)
+    except Exception as exc:  # an hcqa error or a missing driver: the reason is the point
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def test_cli_serves_on_opencl_or_refuses_in_one_line() -> None:
+    """Where opencl:0 opens, --device opencl serves the same MLP (OpenCL C kernels) and every
+    answer matches numpy; elsewhere the command refuses in one line, exit 2, naming the option."""
+    why = await trio.to_thread.run_sync(_opencl_opens)
+    argv = [sys.executable, "-m", "hcqa.cli", "serve", "--port", "0", "--access-log", "none"]
+    argv += ["--device", "opencl", "--model", "small:16", "--max-batch", "4"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with trio.fail_after(120):
+            if why is not None:
+                rc = await trio.to_thread.run_sync(proc.wait)
+                _, err = proc.communicate()
+                assert rc == 2, err
+                assert err.count("\n") == 1, err
+                assert err.startswith("hcqa: error: hcqa serve --device opencl: "), err
+                return
+            first = await trio.to_thread.run_sync(proc.stdout.readline)  # type: ignore[union-attr]
+            match = re.search(r"http://127\.0\.0\.1:(\d+)", first)
+            assert match, first
+            assert "opencl:0" in first
+
+            def check(c: Any) -> None:
+                for n in (1, 3, 9):
+                    x = data((n, 16), n)
+                    inp = httpclient.InferInput("input", [n, 16], "FP32")
+                    inp.set_data_from_numpy(x)
+                    y = c.infer("small", [inp]).as_numpy("output")
+                    # float32 sums in another order than BLAS's
+                    np.testing.assert_allclose(y, mlp_reference(x, 16), rtol=1e-4, atol=1e-5)
+
+            await triton(int(match.group(1)), check)
+            proc.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(proc.wait) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_refuses_sleep_on_opencl_before_opening_devices(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hcqa.cli import main
+
+    def no_devices(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("devices opened before the arguments were checked")
+
+    monkeypatch.setattr(hcqa, "open_devices", no_devices)
+    assert main(["serve", "--device", "opencl", "--sleep-ms", "5"]) == 2
+    assert "--sleep-ms needs --device cpu" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 
 from hcqa.cli._base import PROG, CliError, _out, run_trio
 from hcqa.errors import install_hint
@@ -112,6 +113,13 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add(
+        "--device",
+        choices=("cpu", "opencl"),
+        default="cpu",
+        help="where the MLP's layers run: cpu:0 -> cpu:1 (numpy), or two devices on opencl:0 "
+        "(OpenCL C kernels) (default: %(default)s)",
+    )
+    add(
         "--http",
         choices=("hcqa", "hypercorn"),
         default="hcqa",
@@ -160,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import trio
 
     import hcqa
-    from hcqa.errors import sole_error
+    from hcqa.errors import InvalidCommand, sole_error
     from hcqa.serve import Model, mlp_pipeline, serve
 
     specs: list[tuple[str, int]] = args.model or [("mlp", args.width)]
@@ -168,6 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise CliError(f"--model names must differ (got {', '.join(twice)} twice)")
+    if args.device == "opencl" and args.sleep_ms:
+        raise CliError("--sleep-ms needs --device cpu (an OpenCL kernel can't sleep)")
+    device_specs = ("cpu:0", "cpu:1") if args.device == "cpu" else ("opencl:0", "opencl:0")
     forced = False
 
     async def main() -> None:
@@ -175,7 +186,11 @@ def run_serve(args: argparse.Namespace) -> int:
         stop = trio.Event()
         everything = trio.CancelScope()  # a second signal cancels it: the devices drop work
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, everything:
-            async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+            async with AsyncExitStack() as stack:
+                try:
+                    d0, d1 = await stack.enter_async_context(hcqa.open_devices(*device_specs))
+                except InvalidCommand as exc:
+                    raise CliError(f"hcqa serve --device {args.device}: {exc}") from None
                 models = []
                 for name, width in specs:
                     pipes = await mlp_pipeline(
@@ -238,7 +253,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         else "no dynamic batching"
                     )
                     url = f"http://{args.host}:{port}"
-                    _out(f"{PROG}: serving on {url} ({batching})")
+                    _out(f"{PROG}: serving on {url} ({batching}; {d0.name} -> {d1.name})")
                     for name, width in specs:
                         _out(
                             f"  model {name}: MLP float32[n, {width}] -> float32[n, {width}], "

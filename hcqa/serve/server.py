@@ -311,6 +311,9 @@ async def mlp_pipeline(
 ) -> Any:
     """A two-layer MLP with random weights: ``relu(x @ w1)`` on ``d0``, ``@ w2`` on ``d1``.
 
+    On cpu devices the layers are numpy matmuls; on OpenCL devices, OpenCL C kernels (one
+    work-item per output element).
+
     Input and output are ``float32[batch, width]``; each layer is ``2 * batch * width**2``
     flops, so ``width`` sets how long a microbatch keeps each device busy. ``sleep`` adds
     that many seconds to each layer's kernel without using the host CPU (GIL released), as
@@ -328,6 +331,16 @@ async def mlp_pipeline(
     for buf in (w1, w2):
         await buf.copyin(rng.standard_normal((width, width), dtype=np.float32) * scale)
 
+    sizes = sorted({b for b in buckets if b < batch} | {batch})
+    if d0.kind == "opencl" or d1.kind == "opencl":
+        if sleep:
+            raise InvalidCommand(f"'sleep' needs cpu devices (got {d0.name}, {d1.name})")
+        pipes = [
+            Pipeline(_opencl_stages(d0, d1, w1, w2, b, width), in_shape=(b, width), depth=depth)
+            for b in sizes
+        ]
+        return pipes if buckets else pipes[0]
+
     def dense_relu(out: npt.NDArray[Any], x: npt.NDArray[Any], w: npt.NDArray[Any]) -> None:
         if sleep:
             time.sleep(sleep)
@@ -343,6 +356,32 @@ async def mlp_pipeline(
         Stage(device=d0, program=d0.program("dense_relu", dense_relu), params=(w1,)),
         Stage(device=d1, program=d1.program("dense", dense), params=(w2,)),
     ]
-    sizes = sorted({b for b in buckets if b < batch} | {batch})
     pipes = [Pipeline(stages, in_shape=(b, width), depth=depth) for b in sizes]
     return pipes if buckets else pipes[0]
+
+
+# One work-item per output element: out[r, c] = sum_k x[r, k] * w[k, c], then relu if asked.
+_DENSE_CL = """
+__kernel void dense(__global float *out, __global const float *x, __global const float *w,
+                    int width, int relu) {
+    const int c = get_global_id(0), r = get_global_id(1);
+    float acc = 0.0f;
+    for (int k = 0; k < width; k++) acc += x[r * width + k] * w[k * width + c];
+    out[r * width + c] = (relu && acc < 0.0f) ? 0.0f : acc;
+}
+"""
+
+
+def _opencl_stages(d0: Device, d1: Device, w1: Any, w2: Any, rows: int, width: int) -> list[Stage]:
+    """The MLP's two layers as OpenCL C kernels, an NDRange of ``width x rows`` work-items."""
+    return [
+        Stage(
+            device=d,
+            program=d.program("dense", _DENSE_CL, entry="dense"),
+            params=(w,),
+            vals=(width, relu),
+            global_size=(width, rows, 1),
+            local_size=(1, 1, 1),
+        )
+        for d, w, relu in ((d0, w1, 1), (d1, w2, 0))
+    ]

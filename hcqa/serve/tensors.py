@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from hcqa.serve.bodies import loads_json
+from hcqa.serve.bodies import dumps_array, loads_json
 from hcqa.serve.inputs import InputError
 
 __all__ = [
@@ -319,7 +319,7 @@ def encode_response(
     doc: dict[str, Any] = {"model_name": model, "model_version": version}
     if request_id is not None:
         doc["id"] = request_id
-    tensors = []
+    tensors: list[bytes] = []  # each output's JSON; data written in bounded pieces
     blobs: list[bytes] = []
     for name, y, binary in outputs:
         t: dict[str, Any] = {"name": name, "datatype": datatype_of(y.dtype), "shape": list(y.shape)}
@@ -327,11 +327,12 @@ def encode_response(
             blob = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
             t["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
-        else:
-            t["data"] = y.ravel().tolist()
-        tensors.append(t)
-    doc["outputs"] = tensors
-    head = json.dumps(doc).encode()
+            tensors.append(json.dumps(t).encode())
+        else:  # {..., "data": [...]}: the list by dumps_array, so the GIL comes back between pieces
+            tensors.append(
+                json.dumps(t).encode()[:-1] + b', "data": ' + dumps_array(y.ravel()) + b"}"
+            )
+    head = json.dumps(doc).encode()[:-1] + b', "outputs": [' + b", ".join(tensors) + b"]}"
     if not blobs:
         return head, {}
     return b"".join([head, *blobs]), {"Inference-Header-Content-Length": str(len(head))}
