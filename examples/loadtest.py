@@ -30,13 +30,18 @@ from functools import partial
 from typing import Any
 
 import attrs
-import httpx
 import numpy as np
 import trio
-from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+try:
+    import httpx
+    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+    from hcqa.serve import mlp_pipeline, serve
+except ImportError as exc:  # say what to install, not a traceback
+    sys.exit(f"loadtest.py needs {exc.name}: pip install -e '.[loadtest]' in the hcqa checkout")
 
 import hcqa
-from hcqa.serve import mlp_pipeline, serve
 
 RAW_TYPE = "application/octet-stream"
 

@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
@@ -142,3 +144,60 @@ def test_messages_name_the_checkout_install() -> None:
 
     assert install_hint("plot") == "pip install -e '.[plot]' in the hcqa checkout"
     assert _CHECKOUT_INSTALL.search(install_hint("serve"))
+
+
+def _closure(names: set[str]) -> set[str]:
+    """``names`` and every distribution they require, transitively (as installed here)."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [r for r in _names([r for r in reqs if "extra ==" not in r])]
+    return seen
+
+
+def _imports_of(tree: ast.Module) -> set[str]:
+    """Top-level modules a script imports when it starts (its body, and try blocks in it)."""
+    found: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.Try):
+            body += node.body
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_an_examples_install_line_installs_what_it_imports(example: str) -> None:
+    # The example says what to install ("pip install -e '.[asyncio]'"); with exactly that, it
+    # must start: every module it imports, and every one its hcqa subpackages import.
+    tree = ast.parse((ROOT / "examples" / example).read_text())
+    doc = ast.get_docstring(tree) or ""
+    wanted = {e for m in _CHECKOUT_INSTALL.finditer(doc) for e in m[1].split(",")}
+    plain = {_normal(n) for n in re.findall(r"pip install ([a-z][a-z0-9_-]+)\b", doc)}
+    declared = _names(PROJECT["dependencies"]) | plain
+    for extra in wanted:
+        declared |= _names(PROJECT["optional-dependencies"][extra])
+    declared = _closure(declared)
+    modules = _imports_of(tree)
+    top = {m.split(".")[0] for m in modules}
+    for package, extra in EXTRA_PACKAGES.items():  # hcqa.serve pulls in what serve imports
+        if any(
+            m == "hcqa." + package.replace("/", ".")
+            or m.startswith("hcqa." + package.replace("/", ".") + ".")
+            for m in modules
+        ):
+            top |= _module_level_imports(extra)
+    top -= set(sys.stdlib_module_names) | {"hcqa", "__future__"}
+    missing = _undeclared(top, declared)
+    assert missing == {}, f"{example}: its install line ({sorted(wanted | plain)}) lacks these"
