@@ -20,8 +20,6 @@ import pytest
 # importer -> imported, type-only, allowed to close a cycle (see the module doc)
 TYPE_ONLY = {
     ("hcqa._signals.fence", "hcqa.signals"),  # Fence.signal: Signal
-    ("hcqa._signals.aio_wait", "hcqa._signals.parking"),  # waits on the ParkingLot mixin
-    ("hcqa._signals.rereader", "hcqa._signals.parking"),  # watches ParkingLot mixins
     ("hcqa.devices.base", "hcqa.queue"),  # Device.compute_queue() -> Queue
     ("hcqa.devices.buffer", "hcqa.devices.base"),  # Buffer.device: Device
     ("hcqa.devices.program", "hcqa.devices.base"),  # Program.device: Device

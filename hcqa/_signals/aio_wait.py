@@ -28,15 +28,40 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hcqa._signals.rereader import BACKOFF_FIRST, BACKOFF_MAX
 from hcqa._signals.waiters import Waiter
 
 if TYPE_CHECKING:
-    from hcqa._signals.parking import ParkingLot
+    from hcqa.errors import SignalTimeout
 
 __all__ = ["wait_limited"]
+
+
+class ParkingLot(Protocol):
+    """What an asyncio wait uses of its signal: the parking lot's own steps (``parking.py``,
+    whose ``ParkingLot`` mixin imports this module and satisfies this)."""
+
+    _fd: int
+    _closed: bool
+
+    @property
+    def value(self) -> int: ...
+
+    def _claim(self, waiter: Waiter) -> bool: ...
+
+    def _unregister(self, waiter: Waiter) -> None: ...
+
+    def _drain(self) -> None: ...
+
+    def _outcome(self, target: int) -> bool: ...
+
+    def _raise_broken(self, observe: bool = True) -> None: ...
+
+    def _no_progress(
+        self, target: int, now: int, hang_limit: float | None, context: str
+    ) -> SignalTimeout: ...
 
 
 async def wait_limited(

@@ -32,18 +32,29 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 if TYPE_CHECKING:
-    from hcqa._signals.parking import ParkingLot
     from hcqa._signals.waiters import Waiter
 
 __all__ = ["BACKOFF_FIRST", "BACKOFF_MAX", "Rereader", "watch"]
 
 BACKOFF_FIRST = 0.001
 BACKOFF_MAX = 0.064  # a memory-only write is seen within this (plus scheduling): < 100 ms
+
+
+
+class Watched(Protocol):
+    """What the re-reader needs of a signal (a ``ParkingLot``, ``parking.py``, which imports
+    this module): its eventfd and value slot to re-read, and how to expire a timed waiter."""
+
+    _fd: int
+    _value: Any  # ctypes.c_uint64 over the shared slot
+
+    def _expire(self, waiter: Waiter) -> None: ...
+
 
 _RUN: trio.lowlevel.RunVar[Rereader] = trio.lowlevel.RunVar("hcqa_rereader")
 
@@ -52,7 +63,7 @@ class Rereader:
     """The re-reader of one trio run (see the module doc)."""
 
     def __init__(self) -> None:
-        self.watched: dict[ParkingLot, int] = {}  # owned signal -> value last seen
+        self.watched: dict[Watched, int] = {}  # owned signal -> value last seen
         self.timed: dict[Waiter, _Limit] = {}  # waiters with a hang limit
         self.ticks = 0
         # What every trio wait of the run needs, looked up once: its waiter's wake-up
@@ -63,17 +74,17 @@ class Rereader:
         self._sleep: trio.CancelScope | None = None  # the tick being waited for
         trio.lowlevel.spawn_system_task(self._run, name="hcqa signal re-reader")
 
-    def add(self, sig: ParkingLot) -> None:
+    def add(self, sig: Watched) -> None:
         self.watched[sig] = sig._value.value
         idle = self._idle
         if idle is not None:
             self._idle = None
             idle.set()
 
-    def remove(self, sig: ParkingLot) -> None:
+    def remove(self, sig: Watched) -> None:
         self.watched.pop(sig, None)
 
-    def time(self, waiter: Waiter, sig: ParkingLot, limit: float) -> None:
+    def time(self, waiter: Waiter, sig: Watched, limit: float) -> None:
         """Time ``waiter`` (parked on ``sig``) against the hang ``limit`` from now."""
         now = self._clock.current_time()
         self.timed[waiter] = _Limit(sig, sig._value.value, now + limit, limit)
@@ -132,7 +143,7 @@ class _Limit:
 
     __slots__ = ("deadline", "limit", "seen", "signal")
 
-    def __init__(self, signal: ParkingLot, seen: int, deadline: float, limit: float) -> None:
+    def __init__(self, signal: Watched, seen: int, deadline: float, limit: float) -> None:
         self.signal, self.seen, self.deadline, self.limit = signal, seen, deadline, limit
 
 
