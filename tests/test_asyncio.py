@@ -517,6 +517,24 @@ def test_nothing_leaks_after_the_block_and_200_cycles() -> None:
     assert elapsed < 20  # a few seconds on a quiet host; bounded so a regression shows
 
 
+def test_a_host_started_by_itself_traces_per_hcqa_trace(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the core imports no tracer: hcqa.trace registered its instruments_from_env with aio
+    assert aio.default_instruments is hcqa.trace.instruments_from_env
+    path = tmp_path / "env.json"
+    monkeypatch.setenv("HCQA_TRACE", str(path))
+
+    async def main() -> None:
+        async with hcqa.open_device("cpu:0") as d:  # no open_asyncio_host: a host of its own
+            await d.alloc(shape=(8,), dtype="float32").copyin(np.ones(8, np.float32))
+        assert not aio._hosts
+
+    asyncio.run(main())
+    doc = hcqa.trace.load(path)
+    assert any(e["name"] == "copy" and e.get("cat") == "device" for e in doc["traceEvents"])
+
+
 def test_open_asyncio_host_traces_the_guest_tasks(tmp_path: Any) -> None:
     path = tmp_path / "trace.json"
     a = np.arange(8, dtype=np.float32)
