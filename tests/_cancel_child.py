@@ -1,8 +1,8 @@
 """Child interpreter of tests/test_cancel_close.py: one block opener, cancelled everywhere.
 
 ``python _cancel_child.py OPENER HARD_LIMIT`` opens the block of ``OPENER`` (``devices``,
-``process``, ``ray``, ``batcher``, ``serve``) again and again under a cancel scope that a
-cancellation reaches
+``devices_read``, ``process``, ``ray``, ``batcher``, ``serve``) again and again under a
+cancel scope that a cancellation reaches
 
 - at set-up: at the n-th task step after the opener was entered, for every n until the
   body is reached (``SPARSE`` openers, whose set-up forks processes, take every step up
@@ -85,6 +85,35 @@ async def devices() -> AsyncIterator[Callable[[], Awaitable[None]]]:
             hcqa.transfer(b, a)
 
         yield work
+
+
+READER: list[hcqa.Device] = []  # devices_read's cpu:1, open for the whole child
+
+
+@asynccontextmanager
+async def devices_read() -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """A device block whose memory another device (open outside the cancelled scope)
+    still reads when it closes: the close must wait for those reads, however it is
+    cancelled -- else the reader's engine copies from unmapped memory."""
+    n = 32 << 20
+    (d1,) = READER
+    a, b, dst = d1.alloc(n), d1.alloc(n), d1.alloc(n)
+    try:
+        async with hcqa.open_devices("cpu:0") as (d0,):
+            src = d0.alloc(n)
+            src.numpy_view()[:] = 7
+
+            async def work() -> None:
+                for _ in range(4):
+                    hcqa.transfer(b, a)  # cpu:1's copy queue busy ...
+                hcqa.transfer(dst, src)  # ... then reading cpu:0's memory
+
+            yield work
+    finally:
+        with trio.CancelScope(shield=True):
+            await d1.synchronize()
+        for buf in (a, b, dst):
+            buf.free()
 
 
 def _stages() -> list[Any]:
@@ -180,6 +209,7 @@ async def serve() -> AsyncIterator[Callable[[], Awaitable[None]]]:
 
 OPENERS: dict[str, Callable[[], AbstractAsyncContextManager[Callable[[], Awaitable[None]]]]] = {
     "devices": devices,
+    "devices_read": devices_read,
     "process": process,
     "ray": ray,
     "batcher": batcher,
@@ -271,7 +301,6 @@ async def main(name: str) -> None:
     for n in (1, 3, 8) if name in SPARSE else (1, 2, 3, 5, 8, 13, 21):
         await at_exit(opener, n)
     await ctrl_c(opener)
-    report(done=name, threads=sorted(t.name for t in threading.enumerate()))
 
 
 def dump_tasks() -> None:
@@ -302,10 +331,17 @@ def watch(token: trio.lowlevel.TrioToken, after: float) -> None:
 async def run(name: str, limit: float) -> None:
     token = trio.lowlevel.current_trio_token()
     threading.Thread(target=watch, args=(token, limit - 3), daemon=True).start()
-    await main(name)
+    if name == "devices_read":
+        async with hcqa.open_devices("cpu:1") as devices:
+            READER[:] = devices
+            await main(name)
+    else:
+        await main(name)
+    report(done=name, threads=sorted(t.name for t in threading.enumerate()))
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash (SIGSEGV) shows where
     faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)
     sys.path.insert(0, TESTS)
     if sys.argv[1] == "ray":

@@ -22,7 +22,7 @@ HARD_LIMIT = 120.0  # seconds a child may take in all before it is a hang
 GRACE = 1.0  # the child's openers' grace period (_cancel_child.GRACE)
 SLACK = 5.0  # on top of the grace: a kill and reap on a loaded 2-core host
 
-OPENERS = ["devices", "process", "batcher", "serve"]
+OPENERS = ["devices", "devices_read", "process", "batcher", "serve"]
 if importlib.util.find_spec("ray") is not None:
     OPENERS.append("ray")
 if importlib.util.find_spec("hypercorn") is None:

@@ -15,6 +15,12 @@ nursery: every queue actor of every device is a child of it, started with
   ExceptionGroup if it escaped the nursery block, so it is caught inside and
   raised after).
 
+A cancellation that reaches the close from outside (a deadline passing while the
+block drains) cuts the drain short: what has not started is skipped. Either way,
+before its memory is released, a device waits (shielded, within its hang limit)
+for other devices' engines still reading or writing it -- a transfer queued on
+another device -- so no engine ever touches unmapped memory.
+
 A device whose wait already timed out at a caller (hung) is cancelled rather
 than drained, and its timeout is not raised again.
 """
@@ -154,9 +160,11 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
                     await d._close_input()
             if error is not None:
                 nursery.cancel_scope.cancel()
+    finally:
+        # However the nursery ended (a cancellation from outside the block raises out of
+        # it): other devices' engines may still read this memory; wait for them first.
         for d in devices:
             await d._wait_foreign()
-    finally:
         for d in devices:
             d._release()
     if error is not None:
