@@ -647,6 +647,7 @@ METHODS_WITH_CASES = {
 METHODS_WITHOUT_INPUT = {
     "Device": {"closed", "faulted", "statistics", "synchronize", "timeline", "clock_offset_ns"},
     "Device+elsewhere": {"timed"},  # tests/test_timed_span.py
+    "Tracer+elsewhere": {"region"},  # tests/test_trace_regions.py (a name that is not a str)
     "Program": {"access", "c_args", "check_geometry", "check_vals", "validate"},  # what calls use
     "Queue": {"memory_barrier", "variables"},
     "Signal": {"address", "close", "export", "fd", "statistics", "timestamp_address"},

@@ -89,8 +89,12 @@ async def test_regions_are_recorded_from_tasks_and_threads(tmp_path: Path) -> No
     assert names[track] == "regions"
     outer, inner = regions[2], regions[0]
     assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
-    with pytest.raises(hcqa.InvalidCommand, match="a region's 'name' must be a non-empty str"):
-        region("  ")
+    for bad, got in (("  ", "'  '"), (3, "3"), (None, "None")):
+        with pytest.raises(hcqa.InvalidCommand) as info:
+            region(bad)  # type: ignore[arg-type]
+        assert str(info.value) == f"a region's 'name' must be a non-empty str (got {got})"
+        with pytest.raises(hcqa.InvalidCommand):
+            Tracer(tmp_path / "unused.json").region(bad)  # type: ignore[arg-type]
 
 
 def test_the_demo_marks_which_part_is_which_and_the_plot_labels_it(

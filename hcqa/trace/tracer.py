@@ -195,12 +195,15 @@ class Tracer(trio.abc.Instrument):
             self._exiting = None
             self._tasks.pop(task, None)
 
-    @contextlib.contextmanager
-    def region(self, name: str, **args: Any) -> Iterator[None]:
+    def region(self, name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
         """Record the ``with`` block as a range called ``name`` (``args`` go into the event) on
         the trace's ``"regions"`` track: a phase of the program, which Perfetto shows and
         ``hcqa trace plot`` shades and labels. Usable from any task or thread."""
         _check_region(name)
+        return self._region(name, args)
+
+    @contextlib.contextmanager
+    def _region(self, name: str, args: dict[str, Any]) -> Iterator[None]:
         t0 = _now()
         try:
             yield
