@@ -406,6 +406,9 @@ async def test_a_drain_ends_once_requests_in_flight_are_answered() -> None:
     try:
         with trio.fail_after(30):
             body = np.ones(8, np.float32).tobytes()
+            idle = await trio.open_tcp_stream("127.0.0.1", port)  # a keep-alive connection
+            await idle.send_all(get("/health"))
+            assert (await read_answer(idle)) is not None
             keep = await trio.open_tcp_stream("127.0.0.1", port)
             # a request in flight, and a second one behind it on the same connection
             await keep.send_all(head(len(body)) + body + head(len(body)) + body)
@@ -421,6 +424,15 @@ async def test_a_drain_ends_once_requests_in_flight_are_answered() -> None:
             assert first.headers["connection"] == "close"  # don't send more on this one
             assert await read_answer(keep) is None  # the second was never read: closed
             await keep.aclose()
+            # sent on the idle keep-alive connection after the signal: answered, not run
+            try:
+                await idle.send_all(head(len(body)) + body)
+                late = await read_answer(idle)
+            except trio.BrokenResourceError:
+                late = None  # (the drain was already over: closed, as HTTP allows)
+            if late is not None:
+                assert late.status == 503 and late.headers["connection"] == "close"
+            await idle.aclose()
             rc = await trio.to_thread.run_sync(proc.wait)
             drained = time.perf_counter() - t0
     finally:

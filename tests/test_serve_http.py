@@ -291,24 +291,31 @@ async def test_idle_and_slow_head_timeouts() -> None:
         assert (status, headers["connection"]) == (408, "close")
 
 
-async def test_a_drain_closes_idle_connections_and_finishes_requests_in_flight() -> None:
+async def test_a_drain_finishes_requests_in_flight_and_answers_late_ones_503() -> None:
     async with running(grace_period=10, keep_alive_timeout=60) as (port, app, stop):
-        idle = await Raw.connect(port)
-        await idle.stream.send_all(b"GET /echo HTTP/1.1\r\n\r\n")
-        assert (await idle.response())[0] == 200
+        idle, late = await Raw.connect(port), await Raw.connect(port)
+        for c in (idle, late):
+            await c.stream.send_all(b"GET /echo HTTP/1.1\r\n\r\n")
+            assert (await c.response())[0] == 200
         busy = await Raw.connect(port)
         await busy.stream.send_all(post("/slow", b"x"))
         with trio.fail_after(10):
             await app.waiting.wait()
         stop.set()
-        assert await idle.closed()  # closed at once, the request in flight still runs
         with pytest.raises(OSError):
             with trio.fail_after(10):
                 await trio.open_tcp_stream("127.0.0.1", port)  # no longer accepting
+        # a request sent on a keep-alive connection during the drain is answered, not run
+        await late.stream.send_all(post("/echo", b"abc"))
+        status, headers, body = await late.response()
+        assert (status, headers["connection"]) == (503, "close")
+        assert b"shutting down" in body
+        assert await late.closed()
         app.release.set()
         status, headers, _ = await busy.response()
         assert (status, headers["connection"]) == (200, "close")
         assert await busy.closed()
+        assert await idle.closed()  # once nothing is in flight, idle connections close
 
 
 async def test_the_access_log_has_one_line_per_request(caplog: pytest.LogCaptureFixture) -> None:

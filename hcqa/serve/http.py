@@ -23,9 +23,12 @@ must arrive within ``head_timeout`` seconds of its first byte (``408``). Bodies 
 bounded by the app (it reads them).
 
 Draining: when ``shutdown_trigger()`` returns, the listeners close (new connections are
-refused), idle connections close at once, requests in flight get ``grace_period`` seconds
-to finish (their responses say ``Connection: close``), then whatever is left is
-cancelled and :func:`serve_http` returns.
+refused) and requests in flight get ``grace_period`` seconds to finish (their responses
+say ``Connection: close``). Idle keep-alive connections stay open meanwhile: a request
+that arrives on one during the drain is answered ``503`` with ``Connection: close`` (it
+was not run, so the client may send it elsewhere) rather than met by a closed connection,
+which would leave a client unsure whether its POST ran. Once nothing is in flight,
+whatever is left is cancelled and :func:`serve_http` returns.
 
 An exception from the app before its response started is answered ``500`` (and logged);
 after, the connection just closes. A client that leaves makes ``send`` a no-op and
@@ -86,15 +89,12 @@ class _Server:
         self.head_timeout = head_timeout
         self.access_log = access_log
         self.draining = False
-        self.idle: set[trio.CancelScope] = set()  # connections waiting for a request
         self.busy = 0  # connections inside a request
         self.quiet = trio.Event()  # set while no connection is inside a request
         self.quiet.set()
 
     def drain(self) -> None:
-        self.draining = True
-        for scope in list(self.idle):
-            scope.cancel()
+        self.draining = True  # idle connections stay: a request on one now gets a 503
 
     async def handle(self, stream: trio.SocketStream) -> None:
         try:
@@ -126,21 +126,17 @@ class _Connection:
 
     async def run(self) -> None:
         srv = self.srv
-        while not srv.draining:
-            with trio.CancelScope() as idle:
-                if not self.buf:  # wait for the next request's first byte
-                    srv.idle.add(idle)
-                    try:
-                        with trio.move_on_after(srv.keep_alive_timeout):
-                            await self._fill()
-                    finally:
-                        srv.idle.discard(idle)
+        while True:
+            if not self.buf:  # wait for the next request's first byte
+                with trio.move_on_after(srv.keep_alive_timeout):
+                    await self._fill()
             if not self.buf:
-                return  # idle timeout, EOF, or a drain
+                return  # idle timeout or EOF
+            late = srv.draining  # this request began after the drain did
             srv.busy += 1
             srv.quiet = trio.Event() if srv.busy == 1 else srv.quiet
             try:
-                keep = await self._request()
+                keep = await self._request(late)
             finally:
                 srv.busy -= 1
                 if srv.busy == 0:
@@ -163,7 +159,7 @@ class _Connection:
                 await self._fill()
         raise _BadRequest(408, "request head not received in time")
 
-    async def _request(self) -> bool:
+    async def _request(self, late: bool) -> bool:
         t0 = time.perf_counter()
         try:
             head = await self._head()
@@ -172,6 +168,18 @@ class _Connection:
             req = _Request.parse(head)
         except _BadRequest as exc:
             await self._plain(exc.status, str(exc))
+            return False
+        if late:  # not run: the client may safely send it to another server
+            await self._plain(503, "the server is shutting down; send the request elsewhere")
+            if self.srv.access_log is not None:
+                self.srv.access_log.info(
+                    '%s "%s %s %s" 503 0 %.6fs',
+                    self.client[0],
+                    req.method,
+                    req.target,
+                    req.version,
+                    time.perf_counter() - t0,
+                )
             return False
         ex = _Exchange(self, req, t0)
         scope = {
@@ -528,11 +536,11 @@ async def serve_http(
             if shutdown_trigger is None:
                 await trio.sleep_forever()
             await shutdown_trigger()
+            srv.drain()  # before the listeners close: a refused connect means draining
             accepting.cancel_scope.cancel()
         for listener in listeners:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
-        srv.drain()
         with trio.move_on_after(grace_period if grace_period < math.inf else 1e9):
             await srv.quiet.wait()
         connections.cancel_scope.cancel()
