@@ -67,6 +67,8 @@ class Wait:
 
     signal: _Signal
     value: IntLike
+    # A native lane's record of this command, cached on it (see ``hcqa/actors/lane.py``).
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -75,6 +77,7 @@ class Signal:
 
     signal: _Signal
     value: IntLike
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,11 +85,14 @@ class Timestamp:
     """Write the engine's clock (ns, ``time.monotonic_ns``) into ``signal``'s timestamp slot."""
 
     signal: _Signal
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
 class MemoryBarrier:
     """Make earlier writes visible to later commands (a no-op for host memory)."""
+
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +113,7 @@ class Exec:
     # A repeat call whose kernel was measured short (see ``program._Launch``): a device
     # may run it on the caller's thread when its queue is idle (``Device._inline``).
     inline: bool = attrs.field(default=False, eq=False, repr=False)
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         args, kernel = self.args, self.program.kernel
@@ -136,6 +143,7 @@ class Copy:
     dest: CopyEnd
     src: CopyEnd
     nbytes: IntLike
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -146,6 +154,7 @@ class Load:
     path: str
     offset: IntLike
     nbytes: IntLike
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -154,6 +163,7 @@ class Step:
 
     timeline: Any
     seq: int
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 
 Command: TypeAlias = Wait | Signal | Timestamp | MemoryBarrier | Exec | Copy | Load | Step

@@ -46,6 +46,7 @@ from typing import Any
 import attrs
 import trio
 
+from hcqa._native import lane as _lanes
 from hcqa._signals.fence import Fence
 from hcqa._signals.parking import ParkingLot, _check_target
 from hcqa._signals.slots import PAGE, SLOT, Page, pool
@@ -156,6 +157,15 @@ class Signal(ParkingLot):
         addr = self._page.base + self._index * SLOT
         self._value = ctypes.c_uint64.from_address(addr)
         self._stamp = ctypes.c_uint64.from_address(addr + 8)
+        self._addr = addr  # the value word's address (native producers)
+        # The slot's third word: the lowest target a waiter of this process is listed
+        # with (see ParkingLot._rearm), which native producers read after the value. Kept
+        # only for our own slots: an attached slot's word belongs to its exporter.
+        self._wake_at: Any = None
+        if owned:
+            self._wake_at = ctypes.c_uint64.from_address(addr + 16)
+            self._wake_at.value = 2**64 - 1
+        self._lanes: set[int] = set()  # native lanes handed a record on this slot
         self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._peers: list[int] = []
         self._lock = threading.Lock()
@@ -345,6 +355,13 @@ class Signal(ParkingLot):
             self._finalize()
 
     def _finalize(self) -> None:
+        if not self._finalizer.alive:
+            return
+        if self._lanes and _lanes.defer(self._release_now, self._lanes):
+            return  # a native lane may still hold a record on the slot: later
+        self._release_now()
+
+    def _release_now(self) -> None:
         if not self._finalizer.alive:
             return
         try:

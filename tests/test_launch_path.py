@@ -518,7 +518,8 @@ async def test_an_exec_carries_its_native_call_and_evolve_rebuilds_it() -> None:
 
 
 async def test_a_failing_direct_call_faults_the_device_like_a_handler() -> None:
-    async with hcqa.open_device("cpu:0") as d:
+    # the Python engine's direct call (a native lane calls the kernel from C instead)
+    async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         a = d.alloc(8)
         setv = d.program("setv", SETV_C, entry="setv")
         e = setv.validate((a,), (4,), (1, 1, 1), (1, 1, 1))

@@ -3,6 +3,8 @@
 * ``compiler.py`` -- ``compile_c(source, entry)``: parse the entry's signature, compile
   with the system compiler into a private, content-addressed cache (``$HCQA_CACHE_DIR``,
   else ``~/.cache/hcqa/kernels``), load with ctypes.
+* ``lane.py`` (C source in ``lane_c.py``) -- the native engine lane's library: the signal
+  store native producers use, the C timeline, and the lane thread itself.
 
 It sits at the bottom, beside :mod:`hcqa.errors` (the only hcqa module it imports), so
 any layer that needs a piece of C -- the cpu backend's kernels and native runner, the

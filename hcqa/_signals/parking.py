@@ -70,6 +70,7 @@ class ParkingLot:
     _owner: Waiter | None
     _poller: Any
     _alone: bool
+    _wake_at: Any  # ctypes.c_uint64 over the slot's wake word (None: not ours to keep)
     _rereads: bool
     _broken: BaseException | None
     _closed: bool
@@ -99,6 +100,9 @@ class ParkingLot:
         has it). A non-owner is (re)listed as parked, so the owner will wake it."""
         with self._lock:
             self._waiters[waiter] = None  # listed, so producers write the eventfd
+            wake_at = self._wake_at
+            if wake_at is not None and waiter.target < wake_at.value:
+                wake_at.value = waiter.target  # native producers look here (see _rearm)
             if self._owner is None:
                 self._owner = waiter
             if self._owner is waiter:
@@ -112,6 +116,7 @@ class ParkingLot:
         with self._lock:
             waiter.state = State.ABORTED
             self._waiters.pop(waiter, None)
+            self._rearm()
             if self._owner is waiter:
                 self._owner = None
                 for candidate in self._waiters:
@@ -125,6 +130,19 @@ class ParkingLot:
             heir.deliver()
         if last:
             self._finalize()
+
+    def _rearm(self) -> None:
+        """Under the lock, after a waiter left the list: the slot's wake word says the
+        lowest target still listed (0 while a thread waits alone: every write; 2**64-1
+        for nobody). Native producers (C lanes, driver callbacks) store the value, then
+        read this word, and write the eventfd only when the value reaches it -- the rule
+        :meth:`Signal._set_from_engine` applies with the waiter list."""
+        wake_at = self._wake_at
+        if wake_at is not None:
+            if self._alone:
+                wake_at.value = 0
+            else:
+                wake_at.value = min((w.target for w in self._waiters), default=_MAX)
 
     def _drain(self) -> None:
         """Owner only: consume the eventfd and wake the parked waiters that are done."""
@@ -148,6 +166,7 @@ class ParkingLot:
             for w in done:
                 w.state, w.msg = State.WOKEN, DONE
                 del self._waiters[w]
+            self._rearm()
         for w in done:
             w.deliver()
 
@@ -253,6 +272,8 @@ class ParkingLot:
             if owner:
                 self._waiters[waiter] = None  # listed before the value is read again
                 self._owner = waiter
+                if self._wake_at is not None and target < self._wake_at.value:
+                    self._wake_at.value = target
         if not owner:  # a thread took it in between
             await self._wait_limited(target, None, "")
             return
@@ -296,6 +317,7 @@ class ParkingLot:
                 waiter.state = State.ABORTED
                 waiter.parked = False
                 self._waiters.pop(waiter, None)
+                self._rearm()
             return trio.lowlevel.Abort.SUCCEEDED
 
         return abort
@@ -313,6 +335,7 @@ class ParkingLot:
                 return  # already woken (reached, or made the owner): it looks again
             waiter.state, waiter.msg = State.WOKEN, DONE
             self._waiters.pop(waiter, None)
+            self._rearm()
         waiter.deliver()
 
     # -- waiting from threads ------------------------------------------------------------
@@ -376,7 +399,9 @@ class ParkingLot:
         parking lot's bookkeeping. Marked ``_alone``, the signal has producers in this
         process write the eventfd too (as for a listed waiter, the mark comes before the
         value is read); :meth:`_break` ends the wait with its error."""
-        self._alone = True
+        with self._lock:  # the lock's release orders the mark before the value's read
+            self._alone = True
+            self._rearm()
         value = self._value
         delay = BACKOFF_FIRST
         while value.value < target:

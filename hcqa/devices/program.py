@@ -191,6 +191,10 @@ class Program:
         self.reads = None if reads is None else self._positions("reads", reads)
         self._access: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._launch: _Launch | None = None  # the last eager call, checked (see _Launch)
+        # A native lane's records of this C kernel's calls, by argument tuple (record,
+        # argument table), and the trampoline it calls the kernel through (see crunner).
+        self.native_calls: dict[tuple[int, ...], tuple[bytes, bytes]] = {}
+        self.trampoline = 0
 
     def _positions(self, what: str, positions: Sequence[int]) -> tuple[int, ...]:
         if isinstance(positions, int):

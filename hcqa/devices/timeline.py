@@ -15,6 +15,11 @@ HCQ does for its 32-bit hardware counters: epoch ``e`` counts 1..WRAP on signal
 ``e % 2``; the first step of a new epoch resets the other (shadow) signal to 0
 and continues there. A fence keeps its own signal, so fences of the previous
 epoch stay reached.
+
+Where the native library is there (``hcqa/_native/lane.py``) the completion state lives
+in C (``hcqa_tl_*``): a native lane completes steps without Python, a Python engine
+through one short call, both under the same mutex. Foreign steps are known here (a
+Python set); whoever completes or encodes a step takes it out of the set.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hcqa._native.lane import library
 from hcqa.signals import Fence, Signal
 
 __all__ = ["WRAP", "Timeline"]
@@ -63,6 +69,23 @@ class Timeline:
             s._rereads = False
         if start:
             self.signals[_epoch(start) % 2].value = _value(start)
+        self._native = library()
+        self.c_address: int | None = None  # the C timeline's address, where there is one
+        if self._native is not None:
+            s0, s1, fd = self.signals[0], self.signals[1], self.foreign_done
+            self.c_address = self._native.tl_new(
+                start, s0.address, s0.fd, s1.address, s1.fd, fd.address, fd.fd
+            )
+
+    def take_foreign(self, seq: int) -> bool:
+        """Whether step ``seq`` is another device's (and forget it: it completes once)."""
+        if not self._foreign:  # (reserved on the caller's thread, before it is encoded)
+            return False
+        with self._lock:
+            if seq in self._foreign:
+                self._foreign.discard(seq)
+                return True
+            return False
 
     @property
     def signal(self) -> Signal:
@@ -93,8 +116,18 @@ class Timeline:
             device=self._owner,
         )
 
+    def give_back_foreign(self, seq: int) -> None:
+        """Undo :meth:`take_foreign` (a record that was never queued)."""
+        with self._lock:
+            self._foreign.add(seq)
+
     def complete(self, seq: int) -> None:
         """Engine threads: step ``seq`` is done."""
+        if self.c_address is not None:
+            assert self._native is not None
+            if self._native.tl_complete(self.c_address, seq, self.take_foreign(seq)):
+                raise MemoryError(f"{self.name} timeline: no memory for step {seq}")
+            return
         with self._lock:
             self._advance(seq)
             if seq in self._foreign:  # last: the owner may release everything after this
@@ -119,3 +152,7 @@ class Timeline:
         for s in self.signals:
             s.close()
         self.foreign_done.close()
+        if self.c_address is not None:
+            assert self._native is not None
+            self._native.tl_free(self.c_address)
+            self.c_address = None

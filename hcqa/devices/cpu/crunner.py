@@ -39,7 +39,7 @@ import numpy as np
 
 from hcqa._native.compiler import CKernel, compile_c
 
-__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "wrap64"]
+__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "trampoline", "wrap64"]
 
 
 def _c_int_type(ctype: type) -> str:
@@ -74,6 +74,7 @@ class RunC:
     refs: tuple[tuple[int, Any], ...] = attrs.field(default=(), repr=False)
     # per buffer: its positions in the table (for rebinding), shared by every copy
     refmap: dict[Any, Any] = attrs.field(default=None, repr=False)
+    native: Any = attrs.field(default=None, init=False, repr=False)  # a native lane's record
 
     def __attrs_post_init__(self) -> None:
         if self.refmap is None:
@@ -97,10 +98,36 @@ class RunC:
         setattr_(new, "syms", self.syms)
         setattr_(new, "refs", self.refs)
         setattr_(new, "refmap", self.refmap)
+        setattr_(new, "native", None)
         return new
 
     def __call__(self) -> None:
         self.entry(self.fns, self.table.__array_interface__["data"][0])
+
+
+_TRAMPOLINES: dict[tuple[str, ...], int] = {}
+
+
+def trampoline(kernel: CKernel) -> int:
+    """The address of ``void hcqa_tramp(void *fn, const int64_t *a)``, which calls ``fn``
+    (a kernel of ``kernel``'s parameter shape) with the arguments in table ``a`` -- how a
+    native lane calls a kernel. One per shape, compiled once and cached like any kernel."""
+    types = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
+    address = _TRAMPOLINES.get(types)
+    if address is None:
+        args = ", ".join(
+            f"(void *)(intptr_t)a[{i}]" if t == "void *" else f"({t})a[{i}]"
+            for i, t in enumerate(types)
+        )
+        source = (
+            "#include <stdint.h>\n"
+            f"typedef void (*k_t)({', '.join(types) or 'void'});\n"
+            "void hcqa_tramp(void *fn, const int64_t *a) {\n"
+            f"    (void)a;\n    ((k_t)fn)({args});\n"
+            "}\n"
+        )
+        address = _TRAMPOLINES[types] = compile_c(source, "hcqa_tramp").address
+    return address
 
 
 Entry = tuple[Any, int, int, str]  # (int or expression or Buffer, lo, hi, what)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -39,9 +40,12 @@ import numpy as np
 
 from hcqa import commands as cmd
 from hcqa._native.compiler import compile_c
+from hcqa._native.lane import OP_CALL, OP_COPY, REC, library
+from hcqa.actors import Engine
+from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.cpu.crunner import RunC
+from hcqa.devices.cpu.crunner import RunC, trampoline, wrap64
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -82,6 +86,33 @@ class CpuDevice(Device):
         self.staging = StagingRing(name=name)
         super().__init__(name, **options)
 
+    def _engine(self, kind: str) -> Engine:
+        """With ``inline_kernels=False`` (and a C compiler), each queue's engine is a native
+        lane (``hcqa/actors/lane.py``): C kernels, copies, signals, timestamps and timeline
+        steps run on a thread of C, the rest on the engine's Python thread, in order."""
+        lib = None if self.inline_kernels else library()
+        if lib is None:
+            return super()._engine(kind)
+        return LaneEngine(
+            f"{self.name} {kind}",
+            self._handlers(kind),
+            on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
+            native=True,
+            encoders=self._encoders(kind),
+            lib=lib,
+        )
+
+    def _encoders(self, kind: str) -> dict[type, Encoder]:
+        if kind == "compute":
+            return {cmd.Exec: _encode_exec, RunC: _encode_run}
+        return {cmd.Copy: self._encode_copy}
+
+    def _encode_copy(self, c: Any) -> tuple[bytes, None, None] | None:
+        n = c.nbytes
+        if type(n) is not int or self._staged(c.src) or self._staged(c.dest):
+            return None
+        return REC.pack(OP_COPY, c.dest.va_addr, c.src.va_addr, n, 0), None, None
+
     def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
         if kind == "compute":
             return {cmd.Exec: self._exec, RunC: RunC.__call__}
@@ -101,7 +132,10 @@ class CpuDevice(Device):
             return Program(self, name, fn=src, writes=writes, reads=reads, geometry=geometry)
         if isinstance(src, str):
             kernel = compile_c(src, entry if entry is not None else name)
-            return Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
+            prog = Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
+            if isinstance(self.compute.engine, LaneEngine):  # compiled here, not at a launch
+                prog.trampoline = trampoline(kernel)
+            return prog
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
         )
@@ -198,3 +232,32 @@ def _read_exactly(fd: int, into: memoryview, offset: int, path: str) -> None:
         if got == 0:
             raise EOFError(f"{path!r} ended after {offset + done} bytes")
         done += got
+
+
+def _encode_exec(c: Any) -> tuple[bytes, None, bytes] | None:
+    """A C kernel's call with concrete arguments as a lane record: the kernel's trampoline
+    over a table of its arguments (cached per argument tuple on the program, so a repeat
+    call costs a dict lookup; the command keeps its table alive)."""
+    args = c.args
+    prog = c.program
+    if args is None or prog.kernel is None:
+        return None
+    known = prog.native_calls.get(args)
+    if known is None:
+        if not prog.trampoline:
+            prog.trampoline = trampoline(prog.kernel)
+        table = struct.pack(f"<{max(1, len(args))}q", *(wrap64(a) for a in args or (0,)))
+        address = ctypes.cast(ctypes.c_char_p(table), ctypes.c_void_p).value
+        record = REC.pack(OP_CALL, prog.trampoline, prog.kernel.address, address, 0)
+        if len(prog.native_calls) >= 64:
+            prog.native_calls.clear()  # queued commands keep their own tables
+        known = prog.native_calls[args] = (record, table)
+    return known[0], None, known[1]
+
+
+def _encode_run(c: RunC) -> tuple[bytes, None, None]:
+    """A fused run of C kernels (``crunner``): one call of its entry over its tables (the
+    RunC, which the queued command list holds, keeps them)."""
+    entry = ctypes.cast(c.entry, ctypes.c_void_p).value
+    table = c.table.__array_interface__["data"][0]
+    return REC.pack(OP_CALL, entry, ctypes.addressof(c.fns), table, 0), None, None
