@@ -309,6 +309,8 @@ async def launch_section(
     pf_c = paired_ratio(s["hcqa c"], s["floor"])
     pf_py = paired_ratio(s["hcqa py"], s["floor"])
     pf_ci = paired_ratio(s["hcqa c inline"], s["floor"])
+    lane = type(d0.compute.engine).__name__ == "LaneEngine"
+    how = "the native lane" if lane else "the engine thread"
     r_py = s["hcqa py"].p50 / s["to_thread py"].p50
     r_c = s["hcqa c"].p50 / s["to_thread c"].p50
     rm_py = s["hcqa py"].mean / s["to_thread py"].mean
@@ -342,6 +344,11 @@ async def launch_section(
         info("1e C launch+await inline (opt-in inline_kernels=True) vs the floor",
              f"{fmt_ratio(pf_ci)} paired: {fmt_ns(s['hcqa c inline'].p50)} vs "
              f"{fmt_ns(s['floor'].p50)}"),
+        verdict(f"1f launch+await C kernel through {how} <= 1.25x the eventfd floor (paired)",
+                pf_c <= 1.25, f"{fmt_ratio(pf_c)}"),
+        verdict(f"1g launch+await Python kernel through {how} <= 1.25x the eventfd floor "
+                "(paired)", pf_py <= 1.25, f"{fmt_ratio(pf_py)}: {fmt_ns(s['hcqa py'].p50)} vs "
+                f"{fmt_ns(s['floor'].p50)}"),
     ]  # fmt: skip
     if peer is not None:
         tg = s["tinygrad"]
@@ -458,6 +465,8 @@ async def commands_section(d0: hcqa.Device, plan: Plan) -> tuple[list[list[str]]
     lines = [
         verdict("2a per-command cost (100 execs/submit) <= 3x the channel floor (paired)",
                 pr_exec <= 3.0, f"{fmt_ratio(pr_exec)}; 100 signals/submit {fmt_ratio(pr_sig)}"),
+        verdict("2b per-command cost (100 signals/submit) <= 3x the channel floor (paired)",
+                pr_sig <= 3.0, f"{fmt_ratio(pr_sig)}"),
         info("2 commands/s vs floor",
              f"exec {fmt_ns(s['hcqa exec'].p50)}/cmd = {fmt_ratio(s['hcqa exec'].p50 / fl)} the "
              f"floor's {fmt_ns(fl)}/cmd; signal {fmt_ns(s['hcqa signal'].p50)}/cmd = "
