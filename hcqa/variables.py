@@ -66,7 +66,7 @@ class _Arith:
         return self._op("//", other, swap=True)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed at every replay: once is enough
 class Variable(_Arith):
     """A named integer in ``[lo, hi]``, bound to a value at submit or replay."""
 
@@ -95,7 +95,7 @@ class Variable(_Arith):
         return self.name
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Expr(_Arith):
     """``lhs op rhs`` over ints, variables and expressions."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ import hcqa
 import hcqa._graph.patch
 import hcqa.variables
 from hcqa import InvalidCommand, Variable
+from hcqa._graph import patch as patch_mod
+from hcqa._graph.patch import CommandSlot
 
 ADDK = """
 void addk(long *out, const long *a, long k, long n) {
@@ -217,8 +220,9 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     binds = 0
-    resolves = 0
+    resolves = 0  # commands built: resolved, or patched (a Python kernel's vals)
     real_bind, real_resolve = hcqa.variables._bind, hcqa._graph.patch._resolve_command
+    real_patch = patch_mod._patched
 
     def count_bind(var: Any, var_vals: Any) -> int:
         nonlocal binds
@@ -229,6 +233,11 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
         nonlocal resolves
         resolves += 1
         return real_resolve(c, *args)
+
+    def count_patch(c: Any, *args: Any) -> Any:
+        nonlocal resolves
+        resolves += 1
+        return real_patch(c, *args)
 
     seen: list[int] = []
 
@@ -248,6 +257,7 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
             assert g.statistics().native_runs == 1
             monkeypatch.setattr(hcqa.variables, "_bind", count_bind)
             monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count_resolve)
+            monkeypatch.setattr(patch_mod, "_patched", count_patch)
             await g(n=4)
             assert (binds, resolves) == (1, 1)
             await g(n=4)  # unchanged: the slot's command is sent again as built
@@ -364,3 +374,33 @@ def test_rebinding_and_variables_under_asyncio() -> None:
             return [int(v) for v in host]
 
     assert asyncio.run(main()) == [23] * 4
+
+
+async def test_a_python_kernels_vals_are_patched_per_replay_without_touching_the_template() -> None:
+    seen: list[tuple[int, int]] = []
+    gate = threading.Event()
+
+    def k(out: npt.NDArray[Any], a: int, b: int) -> None:
+        gate.wait(TIMEOUT)
+        seen.append((a, b))
+
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            prog = d.program("k", k)
+            n = Variable("n", 0, 100)
+            out = d.alloc(8)
+            with hcqa.capture() as g:
+                prog(out, vals=(n, 7))
+                prog(out, vals=(3, n * 2))
+            slots = [s for part in g._plan.parts for _, s in part.slots]
+            assert len(slots) == 2
+            slot, slot2 = slots
+            assert isinstance(slot, CommandSlot) and isinstance(slot2, CommandSlot)
+            assert slot.patch == (0, -1) and slot2.patch == (-1, 0)
+            first = g.submit(n=1)  # held in the kernel: still in flight
+            second = g.submit(n=2)  # patched again meanwhile
+            gate.set()
+            await first
+            await second
+            assert seen == [(1, 7), (3, 2), (2, 7), (3, 4)]
+            assert slot.command.vals == (n, 7)  # the template is never written
