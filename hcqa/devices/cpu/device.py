@@ -41,7 +41,7 @@ import numpy as np
 from hcqa import commands as cmd
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import OP_CALL, OP_COPY, REC, library
-from hcqa.actors import Engine
+from hcqa.actors import Executor
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
@@ -86,13 +86,13 @@ class CpuDevice(Device):
         self.staging = StagingRing(name=name)
         super().__init__(name, **options)
 
-    def _engine(self, kind: str) -> Engine:
+    def _executor(self, kind: str) -> Executor:
         """With ``inline_kernels=False`` (and a C compiler), each queue's engine is a native
         lane (``hcqa/actors/lane.py``): C kernels, copies, signals, timestamps and timeline
         steps run on a thread of C, the rest on the engine's Python thread, in order."""
         lib = None if self.inline_kernels else library()
         if lib is None:
-            return super()._engine(kind)
+            return super()._executor(kind)
         return LaneEngine(
             f"{self.name} {kind}",
             self._handlers(kind),
