@@ -2,15 +2,17 @@
 
 Theory of operation
 -------------------
-One trio task per connection reads requests one after the other: it gathers the head
-(request line and headers, at most 64 KiB) from its buffer, checks it (a malformed line,
-a header folded over lines, both ``Content-Length`` and ``Transfer-Encoding``, a length
-that is not a number, a target that is not a path: ``400`` and the connection closes),
-builds the ASGI scope and awaits the app. The app's ``receive`` hands out the body from
-the same buffer and the socket (``Content-Length`` or chunked); once the body is read, a
-``receive`` waits for the client to go away (EOF) and says ``http.disconnect`` -- bytes
-that arrive meanwhile are the next pipelined request and stay in the buffer. So reading
-costs no task of its own: the app's disconnect watcher is the reader while it runs.
+Two trio tasks per connection: a *reader* that reads the socket for the connection's
+whole life into a buffer (one read waiting per connection, instead of a fresh wait per
+request and per disconnect watch; it pauses at 1 MiB until a request asks for more), and
+the request loop, which gathers the head (request line and headers, at most 64 KiB) from
+the buffer, checks it (a malformed line, a header folded over lines, both
+``Content-Length`` and ``Transfer-Encoding``, a length that is not a number, a target
+that is not a path: ``400`` and the connection closes), builds the ASGI scope and awaits
+the app. The app's ``receive`` hands out the body from the buffer (``Content-Length`` or
+chunked); once the body is read, a ``receive`` waits for the reader to see EOF and says
+``http.disconnect`` -- bytes that arrive meanwhile are the next pipelined request and
+stay in the buffer.
 
 The app's ``send`` collects the response head; the head and a body that is complete in
 one message (what Starlette's ``Response`` sends) leave in one ``send_all`` -- one
@@ -53,6 +55,7 @@ __all__ = ["serve_http"]
 
 _log = logging.getLogger("hcqa.serve.http")
 _MAX_HEAD = 1 << 16
+_MAX_BUFFER = 1 << 20  # the reader stops here until the request asks for more
 _READ = 1 << 16
 _PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus}
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -116,20 +119,59 @@ class _Connection:
         self.client = (str(client[0]), int(client[1]))
         self.addr = (str(addr[0]), int(addr[1]))
         self.buf = bytearray()
-        self.eof = False
+        self.eof = False  # the client closed its side (or the connection broke)
+        self._news = trio.Event()  # set (and replaced) when data or EOF arrives
+        self._room = trio.Event()  # set when the reader may read past _MAX_BUFFER
+        self._room.set()
+
+    async def _reader(self) -> None:
+        """Read the socket for the whole connection: one read waiting at a time, and EOF
+        seen while a request runs."""
+        try:
+            while True:
+                if len(self.buf) >= _MAX_BUFFER:  # nobody asked for more: wait until they do
+                    self._room = trio.Event()
+                    await self._room.wait()
+                data = await self.stream.receive_some(_READ)
+                if not data:
+                    return
+                self.buf += data
+                self._notify()
+        except _GONE:
+            return
+        finally:
+            self.eof = True
+            self._notify()
+
+    def _notify(self) -> None:
+        self._news.set()
+        self._news = trio.Event()
+
+    async def _changed(self) -> None:
+        """Wait for more data or EOF."""
+        if not self.eof:
+            await self._news.wait()
 
     async def _fill(self) -> None:
-        data = await self.stream.receive_some(_READ)
-        if not data:
-            self.eof = True
-        self.buf += data
+        """Wait for more data or EOF, letting the reader read past its buffer limit."""
+        self._room.set()
+        await self._changed()
 
     async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._reader)
+            try:
+                await self._requests()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _requests(self) -> None:
         srv = self.srv
         while True:
             if not self.buf:  # wait for the next request's first byte
                 with trio.move_on_after(srv.keep_alive_timeout):
-                    await self._fill()
+                    while not self.buf and not self.eof:
+                        await self._fill()
             if not self.buf:
                 return  # idle timeout or EOF
             late = srv.draining  # this request began after the drain did
@@ -343,12 +385,7 @@ class _Exchange:
             return {"type": "http.request", "body": chunk, "more_body": not self.body_done}
         conn = self.conn
         while not (self.done or self.gone or conn.eof):
-            if len(conn.buf) > _MAX_HEAD:  # a client pipelining too much: stop reading
-                await trio.sleep_forever()
-            try:
-                await conn._fill()
-            except _GONE:
-                self.gone = True
+            await conn._changed()  # pipelined bytes wait in the buffer for their turn
         return {"type": "http.disconnect"}
 
     async def _body_chunk(self) -> bytes:
@@ -357,10 +394,10 @@ class _Exchange:
             req.continue_ = False
             await conn.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
         if not req.chunked:
-            if not conn.buf:
-                await conn._fill()
+            while not conn.buf:
                 if conn.eof:
                     raise trio.BrokenResourceError("the client left mid-body")
+                await conn._fill()
             n = min(req.body_left, len(conn.buf))
             chunk = bytes(conn.buf[:n])
             del conn.buf[:n]
