@@ -110,3 +110,23 @@ def test_info_warns_when_ld_is_not_on_path() -> None:
     assert rows["ld"].startswith("NOT FOUND on PATH")
     assert "aborts" in rows["ld"] and "binutils" in rows["ld"]
     assert "opencl:0" in rows  # listing needs no linker: only a kernel's first launch does
+
+
+def test_contention_is_said_when_pocl_and_blas_threads_outnumber_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hcqa.devices.opencl import platforms
+
+    monkeypatch.setattr(platforms, "_usable_cores", lambda: 4)
+    monkeypatch.setenv("POCL_MAX_PTHREAD_COUNT", "2")
+    monkeypatch.setattr(platforms, "blas_threads", lambda: 2)
+    assert platforms.contention() is None  # 2 + 2 on 4 cores: each has its own
+    monkeypatch.setattr(platforms, "blas_threads", lambda: 4)
+    warning = platforms.contention()
+    assert warning is not None
+    assert "PoCL 2 + BLAS 4 threads on 4 cores" in warning and "limit BLAS to 2" in warning
+    monkeypatch.delenv("POCL_MAX_PTHREAD_COUNT")  # unset: hcqa's default (half) is what counts
+    warning = platforms.contention()
+    assert warning is not None and "PoCL 2 + BLAS 4" in warning
+    monkeypatch.setattr(platforms, "blas_threads", lambda: None)  # no threadpoolctl: unknown
+    assert platforms.contention() is None
