@@ -43,6 +43,7 @@ from starlette.types import ASGIApp
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
 from hcqa.serve.bodies import ClientGone, InputError, dumps_array, off_loop, read_body
+from hcqa.serve.http import DISCONNECT
 from hcqa.serve.inputs import from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
 from hcqa.serve.v2 import V2, Model, Served
@@ -169,6 +170,15 @@ class _Endpoints:
         self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
     ) -> npt.NDArray[Any]:
         """``await fn(*args)``, cancelled if the client disconnects meanwhile."""
+        notify = request.scope.get("extensions", {}).get(DISCONNECT)
+        if notify is not None:  # hcqa's HTTP server cancels us itself: no watcher task
+            with anyio.CancelScope() as scope:
+                forget = notify(scope.cancel)
+                try:
+                    return await fn(*args)
+                finally:
+                    forget()
+            raise ClientGone
         result: list[npt.NDArray[Any]] = []
         error: list[BaseException] = []
 

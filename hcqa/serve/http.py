@@ -51,11 +51,14 @@ from urllib.parse import unquote
 
 import trio
 
-__all__ = ["serve_http"]
+__all__ = ["DISCONNECT", "serve_http"]
 
 _log = logging.getLogger("hcqa.serve.http")
 _MAX_HEAD = 1 << 16
-_MAX_BUFFER = 1 << 20  # the reader stops here until the request asks for more
+_MAX_BUFFER = 1 << 20
+#: ASGI scope extension: ``scope["extensions"][DISCONNECT](callback)`` calls ``callback()``
+#: when the client leaves before its response is complete (see ``_Exchange.on_disconnect``)
+DISCONNECT = "hcqa.disconnect"  # the reader stops here until the request asks for more
 _READ = 1 << 16
 _PHRASES = {s.value: s.phrase.encode() for s in HTTPStatus}
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -119,6 +122,7 @@ class _Connection:
         self.client = (str(client[0]), int(client[1]))
         self.addr = (str(addr[0]), int(addr[1]))
         self.buf = bytearray()
+        self.exchange: _Exchange | None = None  # the request being answered
         self.eof = False  # the client closed its side (or the connection broke)
         self._news = trio.Event()  # set (and replaced) when data or EOF arrives
         self._room = trio.Event()  # set when the reader may read past _MAX_BUFFER
@@ -142,6 +146,9 @@ class _Connection:
         finally:
             self.eof = True
             self._notify()
+            ex, self.exchange = self.exchange, None
+            if ex is not None:
+                ex.disconnected()
 
     def _notify(self) -> None:
         self._news.set()
@@ -238,7 +245,9 @@ class _Connection:
             "client": self.client,
             "server": self.addr,
             "state": {},
+            "extensions": {DISCONNECT: ex.on_disconnect},
         }
+        self.exchange = ex
         try:
             await self.srv.app(scope, ex.receive, ex.send)
         except _GONE:
@@ -248,6 +257,8 @@ class _Connection:
             if not ex.started:
                 await self._plain(500, "Internal Server Error")
             return False
+        finally:
+            self.exchange = None
         if not ex.done:
             if not ex.started:
                 await self._plain(500, "the app returned without a response")
@@ -368,6 +379,22 @@ class _Exchange:
         self.length: int | None = None
         self.chunked_out = False
         self.gone = False
+        self.callbacks: list[Callable[[], object]] = []
+
+    def on_disconnect(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """The ``hcqa.disconnect`` extension: call ``callback()`` (on the loop's thread) if the
+        client leaves before the response is complete; returns a function that unregisters it."""
+        if self.conn.eof and not self.done:
+            callback()
+            return lambda: None
+        self.callbacks.append(callback)
+        return lambda: self.callbacks.remove(callback) if callback in self.callbacks else None
+
+    def disconnected(self) -> None:
+        if not self.done:
+            callbacks, self.callbacks = self.callbacks, []
+            for callback in callbacks:
+                callback()
 
     # -- receive ---------------------------------------------------------------------------
 
