@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -194,6 +195,11 @@ async def test_huge_declared_bodies_chunked_bodies_and_garbage_headers(http: str
         answer = await ask(port, ok)
         assert answer.status == 200
         np.testing.assert_array_equal(np.frombuffer(answer.body, "<f4"), SAMPLE * 2)
+        for bad_size in (b"zz", b"-10", b"0x10", b"1_0", b"f" * 24):  # a malformed chunked body
+            answer = await ask(port, head(None) + bad_size + b"\r\n" + body + b"\r\n0\r\n\r\n")
+            assert answer.status == 400, (bad_size, answer.status)
+        answer = await ask(port, head(None) + b"4\r\n" + body + b"\r\n0\r\n\r\n")  # data > size
+        assert answer.status == 400
         for garbage in (
             b"\x00\xff garbage\r\n\r\n",
             b"POST /infer HTTP/1.1\r\ncontent-length: -5\r\n\r\n",
@@ -472,3 +478,44 @@ async def test_a_second_signal_drops_queued_kernels() -> None:
             proc.wait()
     assert rc == 130, proc.stderr.read()  # type: ignore[union-attr]
     assert stopped < 2.5, f"{stopped:.1f} s from the second signal to the exit"
+
+
+# -- a big batch of small rows ------------------------------------------------------------------
+
+
+def _tasks() -> int:
+    """How many trio tasks this run has now."""
+    count, todo = 0, [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        count += 1
+        todo.extend(t for n in task.child_nurseries for t in n.child_tasks)
+    return count
+
+
+async def test_a_batch_of_many_chunks_runs_on_a_few_tasks() -> None:
+    gate = threading.Event()
+
+    def gated(out: np.ndarray, x: np.ndarray) -> None:
+        gate.wait(10)
+        np.multiply(x, 2, out=out)
+
+    x = np.arange(3000, dtype=np.float32).reshape(1000, 3)  # 250 pipeline batches of 4 rows
+    async with server(kernel=gated) as port, trio.open_nursery() as nursery:
+        before = _tasks()
+        answers: list[Answer | None] = []
+
+        async def post() -> None:
+            answers.append(await ask(port, head(x.nbytes) + x.tobytes()))
+
+        nursery.start_soon(post)
+
+        async def running() -> bool:
+            return bool((await health(port))["pipeline"]["in_flight"] == 2)
+
+        await until(running)
+        assert _tasks() - before < 40  # not one task per chunk
+        gate.set()
+    answer = answers[0]
+    assert answer is not None and answer.status == 200
+    np.testing.assert_array_equal(np.frombuffer(answer.body, "<f4").reshape(1000, 3), x * 2)

@@ -220,17 +220,21 @@ class _Endpoints:
             await one(0)
         else:
             errors: list[Exception] = []
+            left = iter(range(len(chunks)))
 
-            async def guarded(i: int, scope: anyio.CancelScope) -> None:
+            async def worker(scope: anyio.CancelScope) -> None:
+                # a few workers take the chunks in turn: one task per chunk would put tens of
+                # thousands of tasks on the loop for a big batch of small rows
                 try:
-                    await one(i)
+                    for i in left:
+                        await one(i)
                 except Exception as exc:
                     errors.append(exc)
                     scope.cancel()
 
             async with anyio.create_task_group() as tg:
-                for i in range(len(chunks)):
-                    tg.start_soon(guarded, i, tg.cancel_scope)
+                for _ in range(min(len(chunks), max(1, int(st.pipeline.depth)))):
+                    tg.start_soon(worker, tg.cancel_scope)
             if errors:
                 raise errors[0]
         y = np.concatenate([o for o in outs if o is not None]) if len(outs) > 1 else outs[0]

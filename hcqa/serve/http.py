@@ -259,6 +259,9 @@ class _Connection:
             return False
         finally:
             self.exchange = None
+        if ex.bad is not None:  # the body was malformed (the app saw a disconnect)
+            await self._plain(ex.bad.status, str(ex.bad))
+            return False
         if not ex.done:
             if not ex.started:
                 await self._plain(500, "the app returned without a response")
@@ -409,6 +412,10 @@ class _Exchange:
             except _GONE:
                 self.gone = True
                 return {"type": "http.disconnect"}
+            except _BadRequest as exc:  # a malformed chunked body: the host answers it, not
+                self.bad = exc  # the app (to the app the client is gone; its answer is dropped)
+                self.gone = True
+                return {"type": "http.disconnect"}
             return {"type": "http.request", "body": chunk, "more_body": not self.body_done}
         conn = self.conn
         while not (self.done or self.gone or conn.eof):
@@ -443,11 +450,10 @@ class _Exchange:
                 req.body_left -= n
                 return chunk
             line = await self._line(skip_crlf=req.body_left == 0 and self._after_chunk)
-            size_text = line.split(b";")[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise _BadRequest(400, "malformed chunk size") from None
+            size_text = line.split(b";")[0].strip(b" \t")
+            if not 0 < len(size_text) <= 16 or size_text.strip(b"0123456789abcdefABCDEF"):
+                raise _BadRequest(400, "malformed chunk size")  # int() takes -1, 0x1, 1_0
+            size = int(size_text, 16)
             if size == 0:
                 while await self._line(skip_crlf=False):  # trailers up to an empty line
                     pass
@@ -458,6 +464,7 @@ class _Exchange:
 
     _after_chunk = False
     asked = False
+    bad: _BadRequest | None = None
 
     async def _line(self, *, skip_crlf: bool) -> bytes:
         conn = self.conn
