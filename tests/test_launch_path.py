@@ -528,7 +528,7 @@ async def test_a_failing_direct_call_faults_the_device_like_a_handler() -> None:
             raise ht.InjectedFault("native call failed")
 
         object.__setattr__(e, "call", boom)
-        bad = d._enqueue_exec(e)
+        bad = setv._enqueue(e)
         try:
             after: hcqa.Fence | None = setv(a, vals=(9,))  # behind it: skipped
         except DeviceFault:

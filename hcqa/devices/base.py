@@ -23,9 +23,8 @@ The path of one launch, ``fence = prog(out, a)``, hop by hop:
 
 * ``Program.__call__`` (``program.py``): a repeat of the last call reuses its checked
   ``Exec`` (the launch record), else ``Program.validate`` checks types, devices, counts,
-  ranges and geometry and builds the ``Exec``;
-* ``Device._enqueue_exec`` (here): refuses an unbound variable, takes the buffers the
-  program reads and writes (``Program.access``), and calls
+  ranges and geometry and builds the ``Exec``; ``Program._enqueue`` refuses an unbound
+  variable, takes the buffers the program reads and writes, and calls
 * ``Device._submit`` (here): capture (the graph records the batch instead), the checks,
   the hazard ``Wait`` s, ``Signal`` and ``Step``; then ``QueueActor.run_inline`` or
   ``QueueActor.send_commands`` (``hcqa/actors/actor.py``), which hands a batch without
@@ -49,7 +48,7 @@ import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import numpy.typing as npt
@@ -381,35 +380,6 @@ class Device(Faults):
         for other in also:
             steps.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
         return seq, steps
-
-    def _enqueue_exec(
-        self,
-        exec_: cmd.Exec,
-        *,
-        timed: tuple[Signal, Signal] | None = None,
-        concrete: bool = False,
-    ) -> Fence:
-        """Submit one Exec to the compute queue. ``concrete``: the caller knows every
-        val and size is an int (a program's launch record)."""
-        if not concrete and current_capture() is None:
-            for v in (*exec_.vals, *exec_.global_size, *exec_.local_size):
-                if not isinstance(v, int):
-                    raise InvalidCommand(
-                        f"{exec_.program.name!r}: variable {v} is unbound outside a capture "
-                        "(pass ints, or use a Queue with var_vals / hcqa.capture())"
-                    )
-        writes, reads = exec_.program.access(len(exec_.buffers))
-        bufs = cast("tuple[Buffer, ...]", exec_.buffers)  # checked by Program.validate
-        commands: list[Any] = [exec_]
-        if timed is not None:
-            commands = [cmd.Timestamp(signal=timed[0]), exec_, cmd.Timestamp(signal=timed[1])]
-        return self._submit(
-            self.compute,
-            commands,
-            reads=[bufs[i] for i in reads],
-            writes=[bufs[i] for i in writes],
-            waits=False,
-        )
 
     # -- host copies ------------------------------------------------------------------------
 

@@ -39,12 +39,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
+from hcqa.devices.capture import current_capture
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, IntLike, Variable
@@ -356,10 +357,41 @@ class Program:
         if launch is not None and launch.matches(bufs, vals, global_size, local_size):
             for b in bufs:  # the one check that can change between calls: freed, closed
                 b._check()
-            return self.device._enqueue_exec(launch.exec_for(self, bufs), concrete=True)
+            return self._enqueue(launch.exec_for(self, bufs), concrete=True)
         exec_ = self.validate(bufs, vals, global_size, local_size)
         self._launch = _Launch.of(exec_, vals, global_size, local_size)
-        return self.device._enqueue_exec(exec_)
+        return self._enqueue(exec_)
+
+    def _enqueue(
+        self,
+        exec_: cmd.Exec,
+        *,
+        timed: tuple[Signal, Signal] | None = None,
+        concrete: bool = False,
+    ) -> Fence:
+        """Submit one checked Exec of this program to the device's compute queue (the rest
+        of the path: ``Device._submit``). ``concrete``: every val and size is known to be
+        an int (the launch record's); ``timed``: signals stamped just before and after."""
+        if not concrete and current_capture() is None:
+            for v in (*exec_.vals, *exec_.global_size, *exec_.local_size):
+                if not isinstance(v, int):
+                    raise InvalidCommand(
+                        f"{self.name!r}: variable {v} is unbound outside a capture "
+                        "(pass ints, or use a Queue with var_vals / hcqa.capture())"
+                    )
+        writes, reads = self.access(len(exec_.buffers))
+        bufs = cast("tuple[Buffer, ...]", exec_.buffers)  # checked by validate
+        commands: list[Any] = [exec_]
+        if timed is not None:
+            commands = [cmd.Timestamp(signal=timed[0]), exec_, cmd.Timestamp(signal=timed[1])]
+        device = self.device
+        return device._submit(
+            device.compute,
+            commands,
+            reads=[bufs[i] for i in reads],
+            writes=[bufs[i] for i in writes],
+            waits=False,
+        )
 
     async def timed(
         self,
@@ -370,13 +402,11 @@ class Program:
     ) -> float:
         """Run the program once and return its kernel time in seconds, from the device
         timestamps written just before and just after it."""
-        from hcqa.devices.capture import current_capture
-
         if current_capture() is not None:
             raise InvalidCommand(f"{self.name!r}.timed() can't be captured: call the program")
         exec_ = self.validate(bufs, vals, global_size, local_size)
         start, end = Signal(name=f"{self.name} start"), Signal(name=f"{self.name} end")
-        fence = self.device._enqueue_exec(exec_, timed=(start, end))
+        fence = self._enqueue(exec_, timed=(start, end))
         await fence  # if this is cancelled, the queued Timestamps keep both signals alive
         seconds = (end._stamp.value - start._stamp.value) / 1e9
         start.close()
