@@ -312,3 +312,42 @@ async def test_a_signal_closed_while_queued_keeps_its_slot_until_the_lane_is_pas
             await fence
         fresh.close()
         gate.close()
+
+
+CLOSE_WHILE_A_LANE_COMPLETES = """
+import numpy as np, trio, hcqa
+N = 32 << 20
+async def main():
+    async with hcqa.open_devices("cpu:1") as (d1,):  # its copy queue is a lane
+        a, b, dst = d1.alloc(N), d1.alloc(N), d1.alloc(N)
+        for _ in range(20):
+            async with hcqa.open_devices("cpu:0", inline_kernels=True) as (d0,):
+                src = d0.alloc(N)
+                src.numpy_view()[:] = 7
+                for _ in range(3):
+                    hcqa.transfer(b, a)  # the lane busy ...
+                hcqa.transfer(dst, src)  # ... then completing cpu:0's foreign step
+            await d1.synchronize()
+            assert (dst.numpy_view()[::4096] == 7).all()
+trio.run(main)
+"""
+
+
+def test_a_timeline_closes_only_once_the_lane_completing_its_step_let_go() -> None:
+    """A device block closes as soon as another device's lane has completed its foreign
+    step (a transfer reading its memory); the lane still holds the C timeline then (the
+    count is stored before it unlocks and writes the eventfd): the timeline and its
+    signals are released only once the lane ran past the step. Freed at once, the heap
+    was corrupted within a few rounds (glibc aborts: malloc(): ... corrupted). In a
+    child interpreter: a corrupted heap takes the process down."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CLOSE_WHILE_A_LANE_COMPLETES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MALLOC_CHECK_": "3"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

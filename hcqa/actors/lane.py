@@ -323,4 +323,5 @@ def _step(c: Any) -> Native | None:
     addr = tl.c_address
     if addr is None:
         return None
-    return _pack(OP_STEP, addr, c.seq, int(tl.take_foreign(c.seq)), 0), None, None
+    # the timeline as the "signal": this lane is noted on it, so closing it waits for the lane
+    return _pack(OP_STEP, addr, c.seq, int(tl.take_foreign(c.seq)), 0), tl, None

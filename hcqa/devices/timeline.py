@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hcqa._native import lane as _lanes
 from hcqa._native.lane import library
 from hcqa.signals import Fence, Signal
 
@@ -70,6 +71,8 @@ class Timeline:
         if start:
             self.signals[_epoch(start) % 2].value = _value(start)
         self._native = library()
+        self._lanes: set[int] = set()  # native lanes handed a step of this timeline
+        self._closed = False
         self.c_address: int | None = None  # the C timeline's address, where there is one
         if self._native is not None:
             s0, s1, fd = self.signals[0], self.signals[1], self.foreign_done
@@ -149,10 +152,17 @@ class Timeline:
         self.signals[_epoch(new) % 2]._set_from_engine(_value(new))
 
     def close(self) -> None:
-        for s in self.signals:
+        """Close the signals and free the C timeline -- both only once every native lane
+        handed one of our steps has run past it: a lane completing another device's step
+        stores the foreign count (which lets the owner close) before it lets go of the C
+        timeline and writes the eventfd."""
+        self._closed = True
+        for s in (*self.signals, self.foreign_done):
+            s._lanes |= self._lanes  # their slots' release waits for those lanes too
             s.close()
-        self.foreign_done.close()
         if self.c_address is not None:
             assert self._native is not None
-            self._native.tl_free(self.c_address)
+            free, address = self._native.tl_free, self.c_address
             self.c_address = None
+            if not (self._lanes and _lanes.defer(lambda: free(address), self._lanes)):
+                free(address)
