@@ -1,7 +1,7 @@
 """Child interpreter of tests/test_cancel_close.py: one block opener, cancelled everywhere.
 
 ``python _cancel_child.py OPENER HARD_LIMIT`` opens the block of ``OPENER`` (``devices``,
-``devices_read``, ``process``, ``ray``, ``batcher``, ``serve``) again and again under a
+``devices_read``, ``opencl``, ``process``, ``ray``, ``batcher``, ``serve``) again and again under a
 cancel scope that a cancellation reaches
 
 - at set-up: at the n-th task step after the opener was entered, for every n until the
@@ -116,6 +116,34 @@ async def devices_read() -> AsyncIterator[Callable[[], Awaitable[None]]]:
             buf.free()
 
 
+SLOW_CL = """
+__kernel void slow(__global float *out, int n) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++) acc += sin((float)i);
+    out[get_global_id(0)] = acc;
+}
+"""
+
+
+@asynccontextmanager
+async def opencl() -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """Two hcqa devices on one OpenCL device and a cpu one: kernels queued, transfers
+    across all three in flight."""
+    async with hcqa.open_devices("opencl:0", "opencl:0", "cpu:0") as (g0, g1, c0):
+        prog = g0.program("slow", SLOW_CL, entry="slow")
+        a = g0.alloc(shape=(64,), dtype="float32")
+        b = g1.alloc(shape=(64,), dtype="float32")
+        c = c0.alloc(shape=(64,), dtype="float32")
+
+        async def work() -> None:
+            for _ in range(10):
+                prog(a, vals=(10000,), global_size=(1, 1, 1), local_size=(64, 1, 1))
+            hcqa.transfer(b, a)
+            hcqa.transfer(c, b)
+
+        yield work
+
+
 def _stages() -> list[Any]:
     return [hcqa.ProcessStage(fn="hcqa.workers:add_one"), hcqa.ProcessStage(fn="_stages:stuck")]
 
@@ -210,6 +238,7 @@ async def serve() -> AsyncIterator[Callable[[], Awaitable[None]]]:
 OPENERS: dict[str, Callable[[], AbstractAsyncContextManager[Callable[[], Awaitable[None]]]]] = {
     "devices": devices,
     "devices_read": devices_read,
+    "opencl": opencl,
     "process": process,
     "ray": ray,
     "batcher": batcher,

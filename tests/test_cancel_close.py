@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _kinds import opencl_missing
 
 CHILD = Path(__file__).with_name("_cancel_child.py")
 HARD_LIMIT = 120.0  # seconds a child may take in all before it is a hang
@@ -27,6 +28,8 @@ if importlib.util.find_spec("ray") is not None:
     OPENERS.append("ray")
 if importlib.util.find_spec("hypercorn") is None:
     OPENERS.remove("serve")
+if opencl_missing() is None:  # two hcqa devices on opencl:0 beside cpu:0
+    OPENERS.append("opencl")
 
 
 def _start(name: str) -> subprocess.Popen[str]:
