@@ -25,7 +25,7 @@ from hcqa.errors import InvalidCommand
 if TYPE_CHECKING:
     from hcqa.devices.base import Device
 
-__all__ = ["Backend", "device_class", "kinds", "parse_spec", "register"]
+__all__ = ["Backend", "device_class", "kinds", "parse_spec", "register", "shared"]
 
 
 @attrs.frozen
@@ -36,14 +36,18 @@ class Backend:
     kind: str
     target: str
     missing: str
+    # The same spec may be opened several times in one call, each an hcqa device of its
+    # own (own queues) on the one driver device: the k-th is named "<kind>:N#k" (k >= 2).
+    shared: bool = False
 
 
 _BACKENDS: dict[str, Backend] = {}
 _KIND = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-def register(kind: str, target: str, *, missing: str) -> None:
-    """Register (or replace) the backend that opens ``kind:N`` specs."""
+def register(kind: str, target: str, *, missing: str, shared: bool = False) -> None:
+    """Register (or replace) the backend that opens ``kind:N`` specs (``shared``: see
+    :class:`Backend`)."""
     if not isinstance(kind, str) or not _KIND.match(kind):
         raise InvalidCommand(f"backend kind must be a lowercase identifier (got {kind!r})")
     module, _, name = target.partition(":")
@@ -51,7 +55,12 @@ def register(kind: str, target: str, *, missing: str) -> None:
         raise InvalidCommand(
             f"backend target must look like 'package.module:Class' (got {target!r})"
         )
-    _BACKENDS[kind] = Backend(kind, target, missing)
+    _BACKENDS[kind] = Backend(kind, target, missing, shared)
+
+
+def shared(kind: str) -> bool:
+    """Whether a spec of ``kind`` may be opened several times in one call."""
+    return _BACKENDS[kind].shared
 
 
 def kinds() -> tuple[str, ...]:
@@ -88,6 +97,12 @@ def device_class(kind: str, name: str) -> type[Device]:
 # -- the backends hcqa ships (one line each) ------------------------------------------------
 
 register("cpu", "hcqa.devices.cpu:CpuDevice", missing="the cpu backend failed to import")
+register(
+    "opencl",
+    "hcqa.devices.opencl.device:OpenCLDevice",
+    missing="the OpenCL backend needs PyOpenCL: pip install 'hcqa[opencl]'",
+    shared=True,
+)
 register(
     "cuda",
     "hcqa.devices.cuda:CudaDevice",

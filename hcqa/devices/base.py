@@ -103,6 +103,10 @@ class Device(Faults):
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
     # hcqa`` imports it): the device core sits below the builder and never imports it.
     _queue_class: ClassVar[Callable[[Device, str], Queue]]
+    # True where a buffer's ``va_addr`` is host memory any thread may read and write (cpu);
+    # False for driver memory (OpenCL): a transfer to a device of another kind then runs
+    # on this device's copy queue, which can read its own memory (see ``transfer``).
+    host_memory: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -57,8 +57,9 @@ def _parse(spec: object) -> tuple[str, int, str]:
     return backends.parse_spec(spec)
 
 
-def _make(spec: object, options: dict[str, Any]) -> Device:
-    kind, _, name = _parse(spec)
+def _make(spec: object, options: dict[str, Any], name: str | None = None) -> Device:
+    kind, _, parsed = _parse(spec)
+    name = name if name is not None else parsed
     return backends.device_class(kind, name)(name, **options)
 
 
@@ -132,13 +133,11 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
     opts = _options(**options)
     if not specs:
         raise InvalidCommand("open_devices() needs at least one device spec (got none)")
-    names = [_parse(s)[2] for s in specs]  # every spec checked before anything is built
-    if len(set(names)) != len(names):
-        raise InvalidCommand(f"each device may be opened once per call (got {names})")
+    names = _names(specs)  # every spec checked before anything is built
     made: list[Device] = []
     try:
-        for s in specs:
-            made.append(_make(s, opts))
+        for s, name in zip(specs, names, strict=True):
+            made.append(_make(s, opts, name))
     except BaseException:
         for d in made:
             d._release()
@@ -182,6 +181,21 @@ async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Devic
         raise ExceptionGroup("several devices faulted and nobody awaited it", unseen)  # type: ignore[type-var]
 
 
+def _names(specs: tuple[str, ...]) -> list[str]:
+    """The devices' names: the specs, with "#k" added to the k-th opening of a shared kind."""
+    parsed = [_parse(s) for s in specs]
+    names = [name for _, _, name in parsed]
+    seen: dict[str, int] = {}
+    for i, (kind, _, name) in enumerate(parsed):
+        if backends.shared(kind):
+            seen[name] = seen.get(name, 0) + 1
+            if seen[name] > 1:
+                names[i] = f"{name}#{seen[name]}"
+    if len(set(names)) != len(names):
+        raise InvalidCommand(f"each device may be opened once per call (got {names})")
+    return names
+
+
 @asynccontextmanager
 async def open_device(spec: str, **options: Any) -> AsyncIterator[Device]:
     """Open one device; see :func:`open_devices` for the options."""
@@ -197,7 +211,9 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     reinterpret on purpose, transfer a view (``src.view(0, src.nbytes, dtype=...)``).
     Runs on the destination's copy queue, after the source's last write and the
     destination's last uses; ordered on both devices' timelines. Returns the
-    destination timeline's Fence."""
+    destination timeline's Fence. (A source in driver memory that the destination's
+    kind can't read -- OpenCL to cpu -- is copied on the source's copy queue instead,
+    and the Fence is the source timeline's, reached with the same batch.)"""
     for name, b in (("dest", dest), ("src", src)):
         if not isinstance(b, Buffer):
             raise InvalidCommand(
@@ -221,6 +237,9 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
                 f"to reshape, transfer src.view(0, {src.nbytes}, dtype=..., shape=...)"
             )
     device = dest.device
-    also = (src.device,) if src.device is not device else ()
+    if not src.device.host_memory and type(device) is not type(src.device):
+        device = src.device  # the destination can't read the source's memory: the source writes
+    other = src.device if device is dest.device else dest.device
+    also = (other,) if other is not device else ()
     command = cmd.Copy(dest=dest, src=src, nbytes=dest.nbytes)
     return device._submit(device.copy, [command], reads=[src], writes=[dest], also=also)

@@ -1,0 +1,41 @@
+/* The OpenCL completion callback (registered with clSetEventCallback for CL_COMPLETE).
+ *
+ * It runs on a driver thread (or at once in the registering thread when the event is already
+ * complete), never takes the GIL and never calls OpenCL. Its user data is one slot of 16 uint64
+ * words owned by the device:
+ *
+ *   [0] fired      set to 1 once the event completed (release: the stores before it are seen)
+ *   [1] status     the event's execution status as the driver gave it
+ *   [2] fd         the device's completion eventfd, written after ``fired``
+ *   [3] n          native signal stores to make first (at most 3)
+ *   [4 + 3i ...]   store i: value address, value, eventfd (-1: none)
+ *   [13] host_ns   CLOCK_MONOTONIC when the callback ran (the device clock's offset is measured
+ *                  from it and the event's profiling END)
+ *   [15] done      set to 1 last: the callback touches nothing of the slot after it, so the
+ *                  slot (and the fds it names) may be reused or closed once ``done`` is seen.
+ */
+#include <stdint.h>
+#include <time.h>
+
+#define HCQA_SLOT_WORDS 16
+
+void hcqa_cl_complete(void *event, int32_t status, void *user) {
+    (void)event;
+    uint64_t *slot = (uint64_t *)user;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    slot[13] = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    uint64_t n = slot[3] > 3 ? 3 : slot[3];
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t *store = &slot[4 + 3 * i];
+        int fd = (int)(int64_t)store[2];
+        hcqa_signal_store((uint64_t *)(uintptr_t)store[0], store[1], 0, 0, &fd, fd >= 0 ? 1 : 0);
+    }
+    __atomic_store_n(&slot[1], (uint64_t)(int64_t)status, __ATOMIC_RELAXED);
+    __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);
+    hcqa_eventfd_add((int)(int64_t)slot[2]);
+    __atomic_store_n(&slot[HCQA_SLOT_WORDS - 1], 1, __ATOMIC_RELEASE);
+}
+
+/* The entry hcqa's compiler resolves (it needs one plain function): the slot size, for a check. */
+void hcqa_cl_abi(int64_t *out) { out[0] = HCQA_SLOT_WORDS; }

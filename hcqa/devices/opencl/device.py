@@ -1,0 +1,259 @@
+"""The ``opencl:N`` device: the core's Device over an OpenCL driver.
+
+Theory of operation
+-------------------
+An :class:`OpenCLDevice` is the core's :class:`~hcqa.devices.base.Device` (queue actors,
+timeline, hazards, faults, hang limits, capture, ``timed``) with four backend pieces:
+
+* memory: :class:`~hcqa.devices.opencl.memory.ClAllocator` (``cl.Buffer`` blocks; the host
+  never maps them, so the device is not host-visible and ``numpy_view()`` is refused);
+* programs: OpenCL C built at ``program()`` (``program.py``);
+* execution: each queue (compute, copy) is a
+  :class:`~hcqa.devices.opencl.executor.ClExecutor` over its own in-order, profiling
+  ``cl.CommandQueue`` in the platform's shared context (``runtime.py``);
+* completion: the native callback writes the device's eventfd; the **pump**, a trio task of
+  the device, sleeps on it and does each fired segment's work in queue order. When no
+  callback came for a third of the hang limit it asks the driver for the status of what is
+  pending (nothing when idle: a wake every 10 s at the default limit): PoCL 3 never calls back
+  for a command that failed, so a negative status found there becomes the device's
+  ``DeviceFault``, before a waiter's hang limit passes.
+
+Closing: the actors stop their executors once drained (or cancelled); the pump keeps running
+(shielded) until every segment has completed and every callback has made its last store, then
+ends; ``_release`` frees the slots, the eventfd, the queues and the memory. A device declared
+hung leaves what the driver may still touch (its slots are abandoned, its memory kept).
+
+Clocks: profiling counters are the device's clock (PoCL: ``CLOCK_MONOTONIC_RAW``). Each
+callback also stamps ``CLOCK_MONOTONIC`` the moment it runs, after its event's END: so
+(callback stamp - END) is the offset plus a delay that is never negative and usually a
+fraction of a microsecond. :meth:`OpenCLDevice.clock_offset_ns` is the smallest of the last
+64 such samples (a median would keep the delays of a loaded host), seeded at open by markers;
+the two clocks drift apart slowly (NTP slews one of them), which the window follows.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import time
+from typing import Any
+
+import trio
+
+from hcqa.devices.base import Device
+from hcqa.devices.opencl import platforms, runtime
+from hcqa.devices.opencl.executor import ClExecutor, Segment
+from hcqa.devices.opencl.memory import ClAllocator
+from hcqa.devices.opencl.program import ClProgram, build
+from hcqa.devices.program import Program
+from hcqa.errors import InvalidCommand
+
+__all__ = ["OpenCLDevice"]
+
+_SEED_PROBES = 8
+_SAMPLES = 64
+
+
+class OpenCLDevice(Device):
+    """A device on an OpenCL driver (``opencl:N``)."""
+
+    kind = "opencl"
+    host_memory = False  # buffers are driver memory: the host can't address them
+
+    def __init__(self, name: str, **options: Any) -> None:
+        index = int(name.partition(":")[2].partition("#")[0])  # "opencl:0", "opencl:0#2"
+        pyopencl = runtime.cl()
+        try:
+            self.cl_device = platforms.cl_device(index)
+        except IndexError as exc:
+            raise InvalidCommand(str(exc)) from None
+        if platforms.missing_ld() and "Portable Computing" in self.cl_device.platform.name:
+            raise InvalidCommand(
+                f"{name}: PoCL links each kernel with the system linker 'ld', and none is on "
+                "PATH (install binutils): it would abort the process at a kernel's first launch"
+            )
+        self.context = runtime.context_for(self.cl_device)
+        props = pyopencl.command_queue_properties.PROFILING_ENABLE
+        self._cl_queues = {
+            k: pyopencl.CommandQueue(self.context, self.cl_device, properties=props)
+            for k in ("compute", "copy")
+        }
+        self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._slots = runtime.SlotTable(self._fd)
+        self._lingering: list[Segment] = []  # processed, but the callback's last store not seen
+        self._offsets: collections.deque[int] = collections.deque(maxlen=_SAMPLES)
+        self._sampled = 0
+        self._pump_running = False
+        self._fd_closed = False
+        self._align = max(1, int(self.cl_device.mem_base_addr_align) // 8)
+        try:
+            options["host_visible"] = False
+            super().__init__(name, **options)
+        except BaseException:
+            os.close(self._fd)
+            self._fd_closed = True
+            raise
+
+    # -- the backend seam --------------------------------------------------------------------
+
+    def _make_allocator(self, capacity: int) -> ClAllocator:  # type: ignore[override]
+        capacity = min(capacity, int(self.cl_device.global_mem_size))
+        return ClAllocator(
+            capacity=capacity, name=self.name, context=self.context, align=self._align
+        )
+
+    def _executor(self, kind: str) -> ClExecutor:
+        return ClExecutor(
+            self,
+            kind,
+            self._cl_queues[kind],
+            on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
+        )
+
+    def _make_program(self, name: str, src: Any, **options: Any) -> Program:
+        if options.get("geometry"):
+            raise InvalidCommand(
+                "'geometry' is for C kernels: an OpenCL kernel reads its geometry with "
+                "get_global_id / get_local_size / get_num_groups"
+            )
+        kernel, params = build(self, name, src, options.get("entry"))
+        return ClProgram(
+            self, name, kernel, params, writes=options.get("writes"), reads=options.get("reads")
+        )
+
+    def clock_offset_ns(self) -> int:
+        """Nanoseconds to add to this device's profiling timestamps to get ``time.monotonic_ns``."""
+        if not self._offsets:
+            self._measure_offset()
+        return min(self._offsets)
+
+    def _measure_offset(self) -> None:
+        """Before any callback sampled the clocks: sandwich markers between host reads
+        (blocks for well under a millisecond)."""
+        queue = self._cl_queues["compute"]
+        pyopencl = runtime.cl()
+        for _ in range(9):
+            marker = pyopencl.enqueue_marker(queue)
+            marker.wait()
+            t1 = time.monotonic_ns()
+            self._offsets.append(t1 - int(marker.profile.end))
+
+    # -- the pump ------------------------------------------------------------------------------
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self._pump)
+        await super()._start(nursery)
+        for _ in range(_SEED_PROBES):
+            self._executors()[0].probe()
+
+    def _executors(self) -> list[ClExecutor]:
+        return [a.engine for a in self._queues.values()]  # type: ignore[misc]
+
+    def _wake_pump(self) -> None:
+        if not self._fd_closed:
+            os.eventfd_write(self._fd, 1)
+
+    async def _pump(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._pump_running = True
+        task_status.started()
+        executors = self._executors()
+        check = max(self.hang_limit / 3, 0.001) if not math.isinf(self.hang_limit) else 3600.0
+        try:
+            with trio.CancelScope(shield=True):  # completions must be seen even when cancelled
+                while True:
+                    self._drain(executors)
+                    if self._lingering:
+                        self._linger()
+                    if all(e.finished for e in executors) and not self._lingering:
+                        return
+                    if self._hung and all(e.stopping for e in executors):
+                        self._abandon(executors)
+                        return
+                    if self._lingering:  # a callback between its eventfd write and `done`
+                        await trio.sleep(0.0002)
+                        continue
+                    with trio.move_on_after(check) as scope:
+                        await trio.lowlevel.wait_readable(self._fd)
+                    if scope.cancelled_caught:  # no callback meanwhile: did a command fail?
+                        self._check_failed(executors)
+                    try:
+                        os.eventfd_read(self._fd)
+                    except BlockingIOError:
+                        pass
+        finally:
+            self._pump_running = False
+
+    def _drain(self, executors: list[ClExecutor]) -> bool:
+        """Process every fired segment, oldest first per queue; True if any was."""
+        progress = False
+        for ex in executors:
+            pending = ex.pending
+            while pending and pending[0].words[runtime.FIRED]:
+                seg = pending.popleft()
+                progress = True
+                ex.complete(seg)
+                self._sample(seg)
+                seg.keep = []  # host copies are complete: dropping their events can't block
+                if seg.words[runtime.DONE]:
+                    self._slots.give(seg.words, seg.address)
+                else:
+                    self._lingering.append(seg)
+            if ex.finished and not ex.exited.value:
+                ex.exited._set_from_engine(1)
+        return progress
+
+    def _sample(self, seg: Segment) -> None:
+        self._sampled += 1
+        if len(self._offsets) >= 16 and self._sampled % 256:
+            return
+        host = int(seg.words[runtime.HOST_NS])
+        try:
+            end = int(seg.event.profile.end)
+        except runtime.cl().Error:
+            return
+        if host and end:
+            self._offsets.append(host - end)
+
+    def _linger(self) -> None:
+        still = []
+        for seg in self._lingering:
+            if seg.words[runtime.DONE]:
+                self._slots.give(seg.words, seg.address)
+            else:
+                still.append(seg)
+        self._lingering = still
+
+    def _check_failed(self, executors: list[ClExecutor]) -> None:
+        """No completion for half the hang limit: did the driver fail a command?"""
+        for ex in executors:
+            for seg in list(ex.pending):
+                status = int(seg.event.command_execution_status)
+                if status < 0:
+                    ex.pending.remove(seg)
+                    self._slots.abandon(seg.words)
+                    runtime.keep_forever(seg)
+                    ex.fail(seg, status)
+
+    def _abandon(self, executors: list[ClExecutor]) -> None:
+        """Hung: what the driver may still complete keeps its slots and memory for good."""
+        for ex in executors:
+            for seg in ex.pending:
+                self._slots.abandon(seg.words)
+                runtime.keep_forever(seg)
+            if not ex.exited.value:
+                ex.exited._set_from_engine(1)  # its queue actor stops waiting; memory stays
+        for seg in self._lingering:
+            self._slots.abandon(seg.words)
+        self._lingering = []
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def _release(self) -> None:
+        super()._release()
+        if self._hung or any(e.alive for e in self._executors()) or self._pump_running:
+            return  # the driver may still complete commands: keep the fd and memory
+        if not self._fd_closed:
+            self._fd_closed = True
+            os.close(self._fd)
+        self._cl_queues.clear()

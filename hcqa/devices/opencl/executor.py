@@ -1,0 +1,384 @@
+"""The executor of one OpenCL device queue: runs of commands become driver commands.
+
+Theory of operation
+-------------------
+A :class:`ClExecutor` stands where a cpu device has an engine thread, with the same interface
+(``put``, ``stop``, ``join``, ``exited``, ``error``), but it has no thread: ``put(run)`` is
+called on the submitting thread (the trio thread) and only *enqueues*, in queue order, on the
+queue's own in-order ``cl.CommandQueue`` (profiling on): ``Exec`` is
+``clEnqueueNDRangeKernel`` with NDRange ``global * local`` (hcqa counts work-groups),
+``Copy`` a buffer copy, write or read, ``Load`` a write from the file mapped into memory (the
+driver's thread takes the page faults). Each of these calls returns in microseconds; nothing
+here waits for the device. ``Wait`` never reaches an executor: the queue actor awaits it on the
+loop and only then hands over what follows (host gating).
+
+What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
+collected into a *segment* that ends at the last driver command before it (or at a marker,
+when the run has none): the native callback is registered on that command's event with a slot
+of its own (``runtime.py``). When the device's pump (a trio task of the device, see
+``device.py``) finds the slot fired, it does the segment's work in order on the loop:
+timestamps from the events' profiling counters (a ``Timestamp`` right before a command takes
+its START, any other the END of the segment's last command), signal values
+(``_set_from_engine``) and timeline steps (``Timeline.complete``). The in-order queue makes
+segments complete in the order they were enqueued, so the pump takes them from the front.
+
+The host objects a command reads or fills (the numpy array of a copy, PyOpenCL's
+``NannyEvent`` of it, a file mapping) stay referenced by the segment until its completion
+is processed: dropping a ``NannyEvent`` earlier would block the interpreter in its destructor.
+
+Faults: a driver call that fails while enqueueing faults the device at once (a
+:class:`~hcqa.errors.DeviceFault` with the CL error as its cause); from then on nothing is
+enqueued, and the signals of skipped commands are broken, as an engine does. A command that
+fails *inside* the driver produces no callback on PoCL 3, so the pump checks the status of
+pending events when no segment completed for half the hang limit (see ``device.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hcqa import commands as cmd
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.opencl import runtime
+from hcqa.devices.opencl.memory import ClMemory
+from hcqa.devices.timeline import WRAP, _value
+from hcqa.errors import DeviceFault
+from hcqa.signals import Signal
+
+if TYPE_CHECKING:
+    from hcqa.devices.opencl.device import OpenCLDevice
+
+__all__ = ["ClExecutor", "Segment"]
+
+_EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
+_SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
+_ENQUEUED = (_EXEC, _COPY, _LOAD)
+_ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
+
+
+class Segment:
+    """Driver commands up to ``event`` and the work to do once it completed."""
+
+    __slots__ = ("address", "books", "event", "keep", "what", "words")
+
+    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
+        self.event = event
+        # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
+        self.books = books
+        self.keep = keep  # commands and host objects the driver may still touch
+        self.what = what
+        self.words: Any = None
+        self.address = 0
+
+
+class ClExecutor:
+    """Enqueues runs on one in-order OpenCL queue; completion through the device's pump."""
+
+    def __init__(
+        self,
+        device: OpenCLDevice,
+        kind: str,
+        queue: Any,
+        *,
+        on_fault: Callable[[Any, BaseException], None],
+    ) -> None:
+        self.name = f"{device.name} {kind}"
+        self.kind = kind
+        self.device = device
+        self.queue = queue
+        self.error: BaseException | None = None
+        self.timeline: Any = None
+        self.exited = Signal(name=f"{self.name} executor exit")
+        self.pending: collections.deque[Segment] = collections.deque()
+        self.completed = 0  # segments processed: the pump's measure of progress
+        self._on_fault = on_fault
+        self._lock = threading.Lock()  # put() from two threads must not interleave runs
+        self._stopping = False
+        self._ordered = -1  # the last step the callback completes itself (see _native_stores)
+        self._cl = runtime.cl()
+        self._native = runtime.native()
+
+    # -- the Executor interface -------------------------------------------------------------
+
+    def start(self) -> None:
+        pass
+
+    def put(self, run: list[Any] | None) -> None:
+        """Enqueue ``run`` now (never blocks); ``None``: stop once what was queued is done."""
+        if run is None:
+            self._stopping = True
+            self.device._wake_pump()
+            return
+        with self._lock:
+            try:
+                self._enqueue_run(run)
+            except BaseException as exc:  # the driver refused a marker or a callback
+                self._on_fault(None, exc)
+
+    def run_inline(self, run: list[Any]) -> None:
+        self.put(run)  # the device runs nothing inline: enqueueing is already immediate
+
+    def stop(self) -> None:
+        self.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        return not self.pending
+
+    @property
+    def alive(self) -> bool:
+        """True while the driver may still run (or complete) commands of this queue."""
+        return bool(self.pending)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def finished(self) -> bool:
+        return self._stopping and not self.pending
+
+    # -- enqueueing (the submitting thread) --------------------------------------------------
+
+    def _enqueue_run(self, run: list[Any]) -> None:
+        books: list[tuple[Any, ...]] = []
+        starts: list[Any] = []  # Timestamps that take the next command's START
+        keep: list[Any] = []
+        last: Any = None
+        what = ""
+        for i, c in enumerate(run):
+            error = self.error
+            if error is not None:
+                self._skip(run[i:], error)
+                break
+            kind = type(c)
+            if kind in _ENQUEUED:
+                if books:
+                    self._close(last, books, keep, what)
+                    books, keep, last = [], [], None
+                try:
+                    last = self._enqueue(c, keep)
+                except BaseException as exc:
+                    self._on_fault(c, exc)
+                    self._skip(run[i:], self.error)
+                    keep = []
+                    break
+                keep.append(last)  # PoCL touches failed events' successors: keep every event
+                if not what:
+                    what = _describe(c)
+                for s in starts:
+                    books.append(("stamp", s, last, True))
+                starts = []
+            elif kind is _SIGNAL or kind is _STEP:
+                if starts:  # no command follows them first: they stamp this segment's end
+                    books.extend(("stamp", s, None, False) for s in starts)
+                    starts = []
+                if kind is _SIGNAL:
+                    books.append(("signal", c.signal, c.value))
+                else:
+                    books.append(("step", c.timeline, c.seq))
+            elif kind is _STAMP:
+                if last is None and not books:
+                    starts.append(c.signal)
+                else:
+                    books.append(("stamp", c.signal, None, False))
+            elif kind is _BARRIER:
+                pass  # an in-order queue orders memory at command boundaries
+            else:
+                unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
+                self._on_fault(c, unknown)
+                self._skip(run[i:], self.error)
+                break
+        books.extend(("stamp", s, None, False) for s in starts)
+        if books or keep:
+            self._close(last, books, keep, what)
+        self.queue.flush()
+
+    def _close(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str) -> None:
+        """End a segment at ``event`` (a marker when None) and register its callback."""
+        if event is None:
+            event = self._cl.enqueue_marker(self.queue)
+            what = what or "marker"
+        seg = Segment(event, books, keep, what)
+        seg.words, seg.address = words, _ = self.device._slots.take()
+        if books:
+            seg.books = self._native_stores(books, words)
+        self.pending.append(seg)
+        status = self._native.register(event, seg.address)
+        if status != 0:
+            raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
+
+    def _native_stores(self, books: list[tuple[Any, ...]], words: Any) -> list[tuple[Any, ...]]:
+        """Let the callback itself complete what needs no Python: this queue's own signal,
+        and this device's timeline step when every earlier step is done or enqueued before
+        it on this queue (it then completes the timeline's prefix, outside an epoch's first
+        step). The waiters of those wake straight from the driver's thread; the pump still
+        does the timeline's bookkeeping. Returns the books left to the pump."""
+        own = self.device._queues[self.kind].signal
+        timeline = self.timeline
+        left: list[tuple[Any, ...]] = []
+        n = 0
+        native = True  # only while nothing before needs the pump (a timestamp, say)
+        for book in books:
+            native = native and n < runtime.MAX_STORES
+            if native and book[0] == "signal" and book[1] is own:
+                self._store(words, n, own, book[2])
+                n += 1
+                continue
+            if native and book[0] == "step" and book[1] is timeline:
+                seq = book[2]
+                if (seq - 1 <= timeline.done or seq - 1 == self._ordered) and seq % WRAP != 1:
+                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
+                    n += 1
+                    self._ordered = seq
+            else:
+                native = False
+            left.append(book)
+        words[runtime.NSTORES] = n
+        return left
+
+    @staticmethod
+    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
+        base = runtime.STORES + 3 * i
+        words[base] = signal.address
+        words[base + 1] = value
+        words[base + 2] = signal.fd
+
+    def probe(self) -> None:
+        """A marker with a callback and nothing to do: a clock-offset sample."""
+        with self._lock:
+            self._close(None, [], [], "marker")
+            self.queue.flush()
+
+    def _enqueue(self, c: Any, keep: list[Any]) -> Any:
+        kind = type(c)
+        cl = self._cl
+        if kind is _EXEC:
+            keep.append(c)
+            prog = c.program
+            kernel = prog.cl_kernel
+            prog.set_args(c.buffers, c.vals)
+            local = tuple(c.local_size)
+            size = tuple(g * n for g, n in zip(c.global_size, local, strict=True))
+            return cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+        if kind is _COPY:
+            keep.append(c)
+            return self._copy(c.dest, c.src, c.nbytes, keep)
+        if kind is _LOAD:
+            keep.append(c)
+            return self._load(c, keep)
+        raise TypeError(f"{self.name} can't enqueue {kind.__name__}")
+
+    def _copy(self, dest: Any, src: Any, n: int, keep: list[Any]) -> Any:
+        cl = self._cl
+        d_mem, s_mem = _device_memory(dest), _device_memory(src)
+        if d_mem is not None and s_mem is not None:
+            return cl.enqueue_copy(
+                self.queue, d_mem.clbuf, s_mem.clbuf, byte_count=n,
+                src_offset=src.offset, dst_offset=dest.offset,
+            )  # fmt: skip
+        if d_mem is not None:
+            host = _host_array(src, n)
+            nanny = cl.enqueue_copy(
+                self.queue, d_mem.clbuf, host, dst_offset=dest.offset, is_blocking=False
+            )
+        elif s_mem is not None:
+            host = _host_array(dest, n)
+            nanny = cl.enqueue_copy(
+                self.queue, host, s_mem.clbuf, src_offset=src.offset, is_blocking=False
+            )
+        else:
+            raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
+        keep.append(host)
+        keep.append(nanny)  # dropped only once completed (its destructor would block)
+        return nanny
+
+    def _load(self, c: Any, keep: list[Any]) -> Any:
+        mem = _device_memory(c.dest)
+        assert mem is not None
+        start = c.offset - c.offset % _ADDRESS_ALIGN
+        skip = c.offset - start
+        fd = os.open(c.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < c.offset + c.nbytes:
+                raise EOFError(f"{c.path!r} holds fewer than {c.offset + c.nbytes} bytes now")
+            mapping = mmap.mmap(fd, skip + c.nbytes, prot=mmap.PROT_READ, offset=start)
+        finally:
+            os.close(fd)
+        host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
+        nanny = self._cl.enqueue_copy(
+            self.queue, mem.clbuf, host, dst_offset=c.dest.offset, is_blocking=False
+        )
+        keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
+        return nanny
+
+    def _skip(self, commands: list[Any], error: BaseException | None) -> None:
+        """Not running ``commands``: break their signals; complete other devices' steps."""
+        for c in commands:
+            kind = type(c)
+            if kind is _SIGNAL and error is not None:
+                c.signal._break(error)
+            elif kind is _STEP and c.timeline is not self.timeline:
+                c.timeline.complete(c.seq)
+
+    # -- completion (the pump, on the loop) ---------------------------------------------------
+
+    def complete(self, seg: Segment) -> None:
+        """Do a fired segment's work, in order."""
+        status = int(np.int64(seg.words[runtime.STATUS]))
+        if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
+            self.fail(seg, status)
+            return
+        for book in seg.books:
+            op = book[0]
+            if op == "signal":
+                book[1]._set_from_engine(book[2])
+            elif op == "step":
+                book[1].complete(book[2])
+            else:
+                ev = book[2] if book[2] is not None else seg.event
+                book[1]._stamp_from_engine(ev.profile.start if book[3] else ev.profile.end)
+        self.completed += 1
+
+    def fail(self, seg: Segment, status: int) -> None:
+        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping."""
+        fault = DeviceFault(
+            f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
+            f"driver reported execution status {status} for it",
+            device=self.device.name,
+            queue=self.kind,
+        )
+        self.device._fault(fault)
+        for book in seg.books:
+            if book[0] == "signal":
+                book[1]._break(self.device._error)
+            elif book[0] == "step" and book[1] is not self.timeline:
+                book[1].complete(book[2])
+
+
+def _device_memory(end: Any) -> ClMemory | None:
+    if isinstance(end, Buffer) and isinstance(end._mem, ClMemory):
+        return end._mem
+    return None
+
+
+def _host_array(end: Any, n: int) -> Any:
+    """A uint8 array over ``n`` bytes of host memory at the end's address (a host array's
+    reference, or a buffer of a device whose memory is host memory)."""
+    import ctypes
+
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(end.va_addr))
+
+
+def _describe(c: Any) -> str:
+    if type(c) is _EXEC:
+        return f"program {c.program.name!r}"
+    if type(c) is _COPY:
+        return f"copy of {c.nbytes} bytes"
+    return f"load of {c.path!r}"

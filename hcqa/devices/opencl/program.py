@@ -1,0 +1,176 @@
+"""OpenCL C programs: built at ``program()``, called like any hcqa program.
+
+Theory of operation
+-------------------
+``device.program(name, CL_SOURCE, entry="saxpy")`` builds the source for the device at once
+(``-cl-kernel-arg-info``, so the kernel's parameters can be read back) and takes the kernel
+``entry`` (default: ``name``). A build error is :class:`~hcqa.errors.InvalidCommand` carrying
+the build log; a Python callable is refused (an OpenCL device runs OpenCL C only). Builds are
+cached by PoCL itself (``$POCL_CACHE_DIR``, else ``$XDG_CACHE_HOME/pocl/kcache``): a source
+built before costs tens of milliseconds instead of most of a second.
+
+Parameters: ``__global`` (or ``__constant``) pointers first -- one per buffer, in order --
+then integer scalars (``char`` to ``ulong``, ``size_t``), the call's ``vals``, range-checked
+against their C types before anything is queued. Other parameter kinds (floats, vectors,
+``__local`` memory) are refused when the program is made.
+
+Geometry is HCQ's: ``global_size`` counts work-groups and ``local_size`` work-items per
+group; the driver gets NDRange ``global_size * local_size`` with ``local_size``, so every
+group is full (``get_num_groups`` = ``global_size``).
+
+Arguments are set on the kernel object only when they changed since its last launch (OpenCL
+captures them at each enqueue), so a repeated call sets nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hcqa import commands as cmd
+from hcqa.devices.program import Program
+from hcqa.errors import InvalidCommand
+
+if TYPE_CHECKING:
+    from hcqa.devices.buffer import Buffer
+    from hcqa.devices.opencl.device import OpenCLDevice
+
+__all__ = ["ClProgram", "build"]
+
+_SCALARS = {
+    "char": np.int8, "uchar": np.uint8, "unsigned char": np.uint8,
+    "short": np.int16, "ushort": np.uint16, "unsigned short": np.uint16,
+    "int": np.int32, "uint": np.uint32, "unsigned int": np.uint32, "unsigned": np.uint32,
+    "long": np.int64, "ulong": np.uint64, "unsigned long": np.uint64,
+    "size_t": np.uint64, "ptrdiff_t": np.int64, "intptr_t": np.int64, "uintptr_t": np.uint64,
+}  # fmt: skip
+_LOG_LIMIT = 4000
+
+
+def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -> None:
+    raise InvalidCommand("an OpenCL kernel runs on its device only, never on the host")
+
+
+def build(device: OpenCLDevice, name: str, src: Any, entry: str | None) -> tuple[Any, list[Any]]:
+    """Build ``src`` for the device; (kernel, [(param name, numpy type or None)])."""
+    from hcqa.devices.opencl.runtime import cl
+
+    pyopencl = cl()
+    if callable(src):
+        raise InvalidCommand(
+            f"program {name!r}: an OpenCL device runs OpenCL C source (a str), "
+            f"not a Python callable (got {type(src).__name__})"
+        )
+    if not isinstance(src, str):
+        raise InvalidCommand(f"program source must be an OpenCL C str (got {type(src).__name__})")
+    entry = entry if entry is not None else name
+    prg = pyopencl.Program(device.context, src)
+    try:
+        prg.build(options=["-cl-kernel-arg-info"], devices=[device.cl_device])
+    except pyopencl.Error as exc:
+        try:
+            log = prg.get_build_info(device.cl_device, pyopencl.program_build_info.LOG).strip()
+        except pyopencl.Error:
+            log = ""
+        log = log or str(exc)
+        if len(log) > _LOG_LIMIT:
+            log = log[:_LOG_LIMIT] + f"\n... ({len(log) - _LOG_LIMIT} more characters)"
+        raise InvalidCommand(f"OpenCL build of {name!r} failed:\n{log}") from exc
+    names = prg.get_info(pyopencl.program_info.KERNEL_NAMES).split(";")
+    if entry not in names:
+        raise InvalidCommand(
+            f"entry {entry!r} must name a __kernel of the program (got kernels: "
+            f"{', '.join(n for n in names if n) or 'none'})"
+        )
+    kernel = pyopencl.Kernel(prg, entry)
+    params: list[Any] = []
+    quals = pyopencl.kernel_arg_address_qualifier
+    for i in range(kernel.get_info(pyopencl.kernel_info.NUM_ARGS)):
+        pname = kernel.get_arg_info(i, pyopencl.kernel_arg_info.NAME)
+        qual = kernel.get_arg_info(i, pyopencl.kernel_arg_info.ADDRESS_QUALIFIER)
+        tname = kernel.get_arg_info(i, pyopencl.kernel_arg_info.TYPE_NAME).strip()
+        if qual in (quals.GLOBAL, quals.CONSTANT):
+            if params and params[-1][1] is not None:
+                raise InvalidCommand(
+                    f"kernel {entry!r} takes buffer {pname!r} after integer value "
+                    f"{params[-1][0]!r}: buffers must come first, then integer values"
+                )
+            params.append((pname, None))
+            continue
+        if qual == quals.LOCAL:
+            raise InvalidCommand(
+                f"kernel {entry!r} parameter {pname!r} is __local memory: declare it inside "
+                "the kernel (a fixed-size __local array) instead"
+            )
+        scalar = _SCALARS.get(tname)
+        if scalar is None:
+            raise InvalidCommand(
+                f"kernel {entry!r} parameter {pname!r} must be a __global buffer or an integer "
+                f"(got {tname}); pass other values through a buffer"
+            )
+        params.append((pname, scalar))
+    return kernel, params
+
+
+class ClProgram(Program):
+    """A built OpenCL kernel on one device."""
+
+    def __init__(
+        self,
+        device: OpenCLDevice,
+        name: str,
+        kernel: Any,
+        params: list[Any],
+        *,
+        writes: Sequence[int] | None,
+        reads: Sequence[int] | None,
+    ) -> None:
+        super().__init__(device, name, fn=_no_host_call)  # takes global_size / local_size
+        self.kind = "opencl"
+        self.cl_kernel = kernel
+        self._types = [t for _, t in params if t is not None]
+        self.n_buffers = sum(t is None for _, t in params)
+        self.n_vals = len(self._types)
+        self.val_ranges = tuple(
+            (n, int(np.iinfo(t).min), int(np.iinfo(t).max)) for n, t in params if t is not None
+        )
+        self._n_args = None
+        self.writes = None if writes is None else self._positions("writes", writes)
+        self.reads = None if reads is None else self._positions("reads", reads)
+        self._set: list[Any] = [None] * (self.n_buffers + self.n_vals)
+
+    def validate(
+        self,
+        bufs: Sequence[object],
+        vals: Sequence[object],
+        global_size: object,
+        local_size: object,
+    ) -> cmd.Exec:
+        exec_ = super().validate(bufs, vals, global_size, local_size)
+        if len(exec_.buffers) != self.n_buffers or len(exec_.vals) != self.n_vals:
+            raise InvalidCommand(
+                f"{self.name!r} takes {self.n_buffers} buffers and {self.n_vals} vals "
+                f"(got {len(exec_.buffers)} buffers and {len(exec_.vals)} vals)"
+            )
+        self.check_vals(exec_.vals)
+        for i, b in enumerate(exec_.buffers):
+            if b.offset:
+                b._mem.arg(b.offset, b.nbytes)  # type: ignore[attr-defined]  # refuses a misaligned view
+            del i
+        return exec_
+
+    def set_args(self, buffers: Sequence[Buffer], vals: Sequence[int]) -> None:
+        """Set the kernel's arguments that differ from its last launch (executor only)."""
+        done, kernel = self._set, self.cl_kernel
+        for i, b in enumerate(buffers):
+            arg = b._mem.arg(b.offset, b.nbytes)  # type: ignore[attr-defined]
+            if done[i] is not arg:
+                kernel.set_arg(i, arg)
+                done[i] = arg
+        base = len(buffers)
+        for j, v in enumerate(vals):
+            if done[base + j] != v or done[base + j] is None:
+                kernel.set_arg(base + j, self._types[j](v))
+                done[base + j] = v

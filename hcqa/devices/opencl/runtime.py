@@ -1,0 +1,166 @@
+"""What every OpenCL device of the process shares: contexts, the driver entry points, the
+native completion callback and its slots.
+
+Theory of operation
+-------------------
+**Contexts.** One ``cl.Context`` per platform, over all of its devices, made at the first
+``opencl:N`` of that platform and kept for the process: every hcqa device on the platform uses
+it, so buffers and events of one are valid on the others (two hcqa devices on one OpenCL
+device, or on two devices of one platform, copy with ``clEnqueueCopyBuffer``).
+
+**The callback.** Completion is reported by ``hcqa_cl_complete`` (``callback.c``, with the
+shared ``hcqa/_native/signal_store.h``), compiled by hcqa's C compiler and cache and registered
+with ``clSetEventCallback`` through ctypes on the very ``libOpenCL`` that PyOpenCL loaded (its
+``.libs`` directory; else the system's). It runs on a driver thread with no GIL and never calls
+OpenCL: it makes the stores its slot lists, marks the slot fired, writes the device's eventfd
+and marks the slot done -- its last touch. PyOpenCL's own ``Event.set_callback`` is never used
+(a thread per event, and an abort at interpreter exit with callbacks pending).
+
+**Slots.** A slot is 16 uint64 words (layout in ``callback.c``) in a :class:`SlotTable`, pages
+of 256 slots that a device never unmaps while it lives. A slot goes back to the free list only
+once its ``done`` word is set; a slot whose callback may still come after the device is gone
+(a command the driver failed, which PoCL 3 never completes) is *abandoned*: pointed at a
+process-wide eventfd and its page kept for the life of the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from hcqa.devices.compiler import compile_c
+from hcqa.devices.opencl import platforms
+from hcqa.errors import InvalidCommand
+
+__all__ = ["WORDS", "SlotTable", "cl", "context_for", "native"]
+
+WORDS = 16  # uint64 words per slot (see callback.c)
+FIRED, STATUS, FD, NSTORES, STORES, HOST_NS, DONE = 0, 1, 2, 3, 4, 13, 15
+MAX_STORES = 3
+CL_COMPLETE = 0
+
+_lock = threading.Lock()
+_contexts: dict[int, Any] = {}
+_native: _Native | None = None
+_abandoned: list[Any] = []  # slot pages a late callback may still write: kept for good
+_dead_fd = -1  # the eventfd abandoned slots point at (opened once, never closed)
+
+
+def cl() -> Any:
+    """The ``pyopencl`` module (thread defaults applied first); InvalidCommand when missing."""
+    platforms.apply_thread_defaults()
+    try:
+        import pyopencl
+    except ImportError as exc:
+        raise InvalidCommand(f"PyOpenCL is not installed: {platforms.INSTALL_HINT}") from exc
+    return pyopencl
+
+
+def context_for(device: Any) -> Any:
+    """The process's context over all devices of ``device``'s platform."""
+    pyopencl = cl()
+    platform = device.platform
+    key = int(platform.int_ptr)
+    with _lock:
+        ctx = _contexts.get(key)
+        if ctx is None:
+            ctx = _contexts[key] = pyopencl.Context(devices=platform.get_devices())
+        return ctx
+
+
+class _Native:
+    """The driver's ``clSetEventCallback`` and the compiled callback."""
+
+    def __init__(self) -> None:
+        pyopencl = cl()
+        libs = Path(pyopencl.__file__).parent / ".libs"
+        found = sorted(glob.glob(str(libs / "libOpenCL*.so*")))
+        path = found[0] if found else "libOpenCL.so.1"
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise InvalidCommand(f"the OpenCL loader {path!r} can't be loaded: {exc}") from exc
+        set_cb = lib.clSetEventCallback
+        set_cb.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        set_cb.restype = ctypes.c_int32
+        self.set_callback = set_cb
+        here = Path(__file__).parent
+        store = (here.parent.parent / "_native" / "signal_store.h").read_text()
+        source = "#define _POSIX_C_SOURCE 200809L\n" + store + (here / "callback.c").read_text()
+        abi = compile_c(source, "hcqa_cl_abi")
+        words = (ctypes.c_int64 * 1)()
+        abi.fn(ctypes.addressof(words))
+        if words[0] != WORDS:
+            raise InvalidCommand(f"OpenCL callback slots must be {WORDS} words (got {words[0]})")
+        callback = ctypes.CDLL(abi.path).hcqa_cl_complete
+        self.callback = ctypes.cast(callback, ctypes.c_void_p).value or 0
+
+    def register(self, event: Any, slot: int) -> int:
+        """``clSetEventCallback(event, CL_COMPLETE, hcqa_cl_complete, slot)``: the CL status."""
+        result: int = self.set_callback(event.int_ptr, CL_COMPLETE, self.callback, slot)
+        return result
+
+
+def native() -> _Native:
+    global _native
+    with _lock:
+        if _native is None:
+            _native = _Native()
+        return _native
+
+
+def _dead() -> int:
+    global _dead_fd
+    with _lock:
+        if _dead_fd < 0:
+            _dead_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return _dead_fd
+
+
+def keep_forever(obj: Any) -> None:
+    """Keep ``obj`` (a segment the driver may still complete) for the life of the process."""
+    _abandoned.append(obj)
+
+
+class SlotTable:
+    """Callback slots of one device (see the module doc). Trio-thread bookkeeping only."""
+
+    PAGE = 256
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pages: list[npt.NDArray[np.uint64]] = []
+        self._free: list[tuple[npt.NDArray[np.uint64], int]] = []
+        self.in_use = 0
+
+    def take(self) -> tuple[npt.NDArray[np.uint64], int]:
+        """A clean slot: (its words as an array, its address)."""
+        if not self._free:
+            page = np.zeros((self.PAGE, WORDS), dtype=np.uint64)
+            self._pages.append(page)
+            base = page.ctypes.data
+            self._free.extend((page[i], base + i * WORDS * 8) for i in range(self.PAGE))
+        words, address = self._free.pop()
+        words[:] = 0
+        words[FD] = self.fd
+        self.in_use += 1
+        return words, address
+
+    def give(self, words: npt.NDArray[np.uint64], address: int) -> None:
+        """Return a slot whose ``done`` word is set."""
+        self._free.append((words, address))
+        self.in_use -= 1
+
+    def abandon(self, words: npt.NDArray[np.uint64]) -> None:
+        """A slot whose callback may come at any time, even after the device is gone."""
+        words[FD] = _dead()
+        words[NSTORES] = 0
+        _abandoned.append(self._pages)  # the pages stay mapped for the process's life
+        self.in_use -= 1

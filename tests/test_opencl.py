@@ -1,0 +1,316 @@
+"""The ``opencl:N`` device on a real OpenCL driver (PoCL from the ``opencl`` extra): memory,
+programs, every queue verb, transfers with cpu devices and between two hcqa devices on one
+OpenCL device, waits that hold a queue without holding the loop, faults, timing and closing.
+Results are checked against numpy."""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import hcqa
+
+cl = pytest.importorskip("pyopencl")
+
+from hcqa.devices.opencl import runtime  # noqa: E402
+from hcqa.devices.opencl.device import OpenCLDevice  # noqa: E402
+
+SOURCE = """
+__kernel void saxpy(__global float *y, __global const float *x, int n, int a) {
+    int i = get_global_id(0);
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+__kernel void geometry(__global int *out) {
+    if (get_global_id(0) + get_global_id(1) + get_global_id(2) == 0) {
+        for (int d = 0; d < 3; d++) {
+            out[d] = get_num_groups(d);
+            out[3 + d] = get_local_size(d);
+            out[6 + d] = get_global_size(d);
+        }
+    }
+}
+__kernel void inc(__global int *y) { y[get_global_id(0)] += 1; }
+__kernel void wide(__global long *y, long v, uchar u) { y[0] = v; y[1] = u; }
+"""
+
+
+def _has_device() -> bool:
+    try:
+        runtime.cl()
+        from hcqa.devices.opencl import platforms
+
+        return bool(platforms.list_devices())
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _has_device(), reason="no OpenCL device")
+
+
+async def _read(buf: hcqa.Buffer) -> np.ndarray[Any, Any]:
+    assert buf.dtype is not None and buf.shape is not None
+    out = np.empty(buf.shape, buf.dtype)
+    await buf.copyout(out)
+    return out
+
+
+async def test_open_names_and_memory_rules() -> None:
+    async with hcqa.open_devices("opencl:0", "opencl:0") as (g0, g1):
+        assert (g0.name, g1.name) == ("opencl:0", "opencl:0#2")
+        assert isinstance(g0, OpenCLDevice) and g0.context is g1.context
+        x = g0.alloc(shape=(8,), dtype="float32")
+        with pytest.raises(hcqa.InvalidCommand, match="not host-visible"):
+            x.numpy_view()
+        with pytest.raises(hcqa.InvalidCommand, match="shared"):
+            g0.alloc(64, shared=True)
+        with pytest.raises(hcqa.InvalidCommand, match="host-visible"):
+            g0.import_buffer(0, 64)
+    with pytest.raises(hcqa.InvalidCommand, match="does not exist"):
+        async with hcqa.open_devices("opencl:999"):
+            pass
+
+
+async def test_copies_and_saxpy_against_numpy() -> None:
+    n = 1024
+    a = np.arange(n, dtype=np.float32)
+    async with hcqa.open_device("opencl:0") as g:
+        x = g.alloc(shape=(n,), dtype="float32")
+        y = g.alloc(shape=(n,), dtype="float32")
+        await x.copyin(a)
+        await y.copyin(np.ones(n, np.float32))
+        k = g.program("saxpy", SOURCE)
+        await k(y, x, vals=(n, 3), global_size=(n // 64, 1, 1), local_size=(64, 1, 1))
+        np.testing.assert_array_equal(await _read(y), 3 * a + 1)
+        part = np.empty(16, np.float32)  # a view at an offset, read back alone
+        await y.view(64, 64, dtype="float32").copyout(part)
+        np.testing.assert_array_equal(part, 3 * a[16:32] + 1)
+        raw = g.alloc(8 * 2)
+        w = g.program("wide", SOURCE)
+        await w(raw, vals=(-(2**40), 255))
+        back = bytearray(16)
+        await raw.copyout(back)
+        assert np.frombuffer(back, np.int64).tolist() == [-(2**40), 255]
+        with pytest.raises(hcqa.InvalidCommand, match=r"must be in \[0, 255\]"):
+            w(raw, vals=(1, 256))
+
+
+async def test_geometry_counts_work_groups() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        out = g.alloc(shape=(9,), dtype="int32")
+        k = g.program("geometry", SOURCE)
+        await k(out, global_size=(2, 3, 1), local_size=(4, 2, 1))
+        assert (await _read(out)).tolist() == [2, 3, 1, 4, 2, 1, 8, 6, 1]
+
+
+async def test_program_refusals_and_build_log() -> None:
+    async with hcqa.open_devices("opencl:0", "cpu:0") as (g, c):
+        with pytest.raises(hcqa.InvalidCommand, match="OpenCL build of 'bad' failed") as info:
+            g.program("bad", "__kernel void bad(__global int *y) { y[0] = nope; }")
+        assert "nope" in str(info.value)  # the build log, as the compiler wrote it
+        with pytest.raises(hcqa.InvalidCommand, match="not a Python callable"):
+            g.program("py", lambda out: None)
+        with pytest.raises(hcqa.InvalidCommand, match="must name a __kernel"):
+            g.program("missing", SOURCE)
+        with pytest.raises(hcqa.InvalidCommand, match="got float"):
+            g.program("f", "__kernel void f(__global float *y, float a) { y[0] = a; }")
+        k = g.program("inc", SOURCE)
+        y = g.alloc(shape=(4,), dtype="int32")
+        with pytest.raises(hcqa.InvalidCommand, match="takes 1 buffers and 0 vals"):
+            k(y, y)
+        with pytest.raises(hcqa.InvalidCommand, match="must be on opencl:0"):
+            k(c.alloc(shape=(4,), dtype="int32"))
+
+
+async def test_queue_verbs_waits_and_timestamps() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        y = g.alloc(shape=(4,), dtype="int32")
+        z = g.alloc(shape=(4,), dtype="int32")
+        await y.copyin(np.zeros(4, np.int32))
+        k = g.program("inc", SOURCE)
+        gate, done, t0, t1 = hcqa.Signal(), hcqa.Signal(), hcqa.Signal(), hcqa.Signal()
+        q = g.compute_queue()
+        q.wait(gate, 1).timestamp(t0).exec(k, (y,), global_size=(4, 1, 1))
+        q.memory_barrier().exec(k, (y,), global_size=(4, 1, 1)).timestamp(t1).signal(done, 7)
+        q.submit()
+        await trio.sleep(0.05)
+        assert done.value == 0 and t0._stamp.value == 0  # held by the gate
+        gate.value = 1  # a host producer opens it
+        with trio.fail_after(10):
+            await done.wait(7)
+        assert t1._stamp.value > t0._stamp.value > 0
+        g.copy_queue().copy(z, y, 16).signal(done, 8).submit()
+        with trio.fail_after(10):
+            await done.wait(8)
+        assert (await _read(z)).tolist() == [2, 2, 2, 2]
+
+
+async def test_waits_hold_the_queue_not_the_loop() -> None:
+    """A queue parked on an unset signal costs no CPU (driver threads included) and the
+    loop keeps ticking; it then runs once another device's queue signals."""
+    async with hcqa.open_devices("opencl:0", "cpu:0") as (g, c):
+        y = g.alloc(shape=(4,), dtype="int32")
+        await y.copyin(np.zeros(4, np.int32))
+        k = g.program("inc", SOURCE)
+        await k(y, global_size=(4, 1, 1))  # built and launched once: the driver is warm
+        s = hcqa.Signal()
+        fence = g.compute_queue().wait(s, 1).exec(k, (y,), global_size=(4, 1, 1)).submit()
+        cpu0 = _cpu_seconds()
+        lags: list[float] = []
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            t = time.monotonic()
+            await trio.sleep(0.01)
+            lags.append(time.monotonic() - t - 0.01)
+        used = _cpu_seconds() - cpu0
+        assert not fence.reached
+        assert max(lags) < 0.25, lags  # the loop was never held
+        assert used < 0.05, f"{used:.3f} s of CPU in 1 s of waiting (ticker included)"
+        c.compute_queue().signal(s, 1).submit()  # another device's queue opens the gate
+        with trio.fail_after(10):
+            await fence
+        assert (await _read(y)).tolist() == [2, 2, 2, 2]
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def test_idle_wait_costs_under_one_percent_of_a_core() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        y = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        await k(y)
+        s = hcqa.Signal()
+        g.compute_queue().wait(s, 1).exec(k, (y,)).submit()
+        cpu0 = _cpu_seconds()
+        await trio.sleep(1.0)
+        used = _cpu_seconds() - cpu0
+        assert used < 0.01, f"{used * 1000:.2f} ms of CPU while a queue waited 1 s"
+        s.value = 1
+        await g.synchronize()
+
+
+async def test_transfers_between_all_kinds_of_pairs(tmp_path: Path) -> None:
+    n = 4096
+    a = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 128 + a.tobytes())
+    async with hcqa.open_devices("opencl:0", "opencl:0", "cpu:0") as (g0, g1, c0):
+        x0 = g0.alloc(shape=(n,), dtype="float32")
+        await x0.load(path, offset=128)
+        x1 = g1.alloc(shape=(n,), dtype="float32")
+        await hcqa.transfer(x1, x0)  # two hcqa devices on one OpenCL device
+        xc = c0.alloc(shape=(n,), dtype="float32")
+        await hcqa.transfer(xc, x1)  # OpenCL -> cpu
+        np.testing.assert_array_equal(xc.numpy_view(), a)
+        xc.numpy_view()[:] *= 2
+        await hcqa.transfer(x0, xc)  # cpu -> OpenCL
+        np.testing.assert_array_equal(await _read(x0), 2 * a)
+        np.testing.assert_array_equal(await _read(x1), a)
+
+
+async def test_timing_from_profiling_counters() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        n = 1 << 16
+        x = g.alloc(shape=(n,), dtype="float32")
+        y = g.alloc(shape=(n,), dtype="float32")
+        await x.copyin(np.ones(n, np.float32))
+        await y.copyin(np.ones(n, np.float32))
+        k = g.program("saxpy", SOURCE)
+        secs = await k.timed(y, x, vals=(n, 2), global_size=(n // 64, 1, 1), local_size=(64, 1, 1))
+        assert 0 < secs < 1
+        before = time.monotonic_ns()
+        async with g.timed() as span:
+            k(y, x, vals=(n, 2), global_size=(n // 64, 1, 1), local_size=(64, 1, 1))
+        after = time.monotonic_ns()
+        assert span.seconds is not None and 0 < span.seconds < 1
+        assert span.start_us is not None and span.end_us is not None
+        # device times, moved to the host clock, fall inside the host's window
+        assert before / 1000 - 50 <= span.start_us <= span.end_us <= after / 1000 + 50
+        if "Portable Computing" in g.cl_device.platform.name:  # PoCL: CLOCK_MONOTONIC_RAW
+            true = time.monotonic_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC_RAW)
+            assert abs(g.clock_offset_ns() - true) < 200_000
+
+
+async def test_driver_failure_at_enqueue_is_a_sticky_device_fault() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        buf = g.alloc(256)
+        await buf.copyin(bytes(256))
+        # overlapping regions of one buffer: the driver refuses (CL_MEM_COPY_OVERLAP)
+        fence = g.copy_queue().copy(buf.view(0, 128), buf.view(64, 128), 128).submit()
+        with pytest.raises(hcqa.DeviceFault, match="copy of 128 bytes failed") as info:
+            await fence
+        assert isinstance(info.value.__cause__, cl.Error)
+        with pytest.raises(hcqa.DeviceFault) as again:
+            buf.copyin(bytes(256))
+        assert again.value is info.value
+
+
+async def test_failed_command_without_callback_is_found_by_the_hang_check() -> None:
+    """PoCL 3 never calls back for a command that failed in the driver: the device finds
+    the failure by asking the driver once no completion came for half the hang limit."""
+    async with hcqa.open_device("opencl:0", hang_limit=1.0) as g:
+        y = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        await k(y)
+        ex = g.compute.engine
+        gate = cl.UserEvent(g.context)
+        marker = cl.enqueue_marker(ex.queue, wait_for=[gate])  # a driver command that will fail
+        fence = k(y)
+        gate.set_status(-1)  # (PoCL aborts if the failed marker's event was released before)
+        t0 = time.monotonic()
+        with pytest.raises(hcqa.DeviceFault, match="driver reported execution status -1"):
+            await fence
+        assert time.monotonic() - t0 < 1.0  # before the hang limit's SignalTimeout
+        assert marker.command_execution_status < 0
+    # closing returned: nothing waited for the callback that never comes
+
+
+async def test_close_waits_for_callbacks_and_leaks_nothing(fd_count: Any) -> None:
+    async with hcqa.open_device("opencl:0") as g:  # warm: the driver's own threads start once
+        await g.program("inc", SOURCE)(g.alloc(shape=(4,), dtype="int32"))
+    fds, threads = fd_count(), threading.active_count()
+    for _ in range(3):
+        async with hcqa.open_devices("opencl:0", "opencl:0") as (g0, g1):
+            y = g0.alloc(shape=(1024,), dtype="int32")
+            k = g0.program("inc", SOURCE)
+            for _ in range(50):
+                k(y, global_size=(16, 1, 1), local_size=(64, 1, 1))
+            slots = g0._slots
+            y1 = g1.alloc(shape=(1024,), dtype="int32")
+            hcqa.transfer(y1, y)
+        assert slots.in_use == 0  # every callback made its last store before the close returned
+        assert g0._fd_closed and g1._fd_closed
+    assert fd_count() == fds
+    assert threading.active_count() == threads
+
+
+async def test_leaving_by_an_exception_drains_the_driver() -> None:
+    with pytest.raises(KeyError):
+        async with hcqa.open_device("opencl:0") as g:
+            y = g.alloc(shape=(1 << 16,), dtype="int32")
+            k = g.program("inc", SOURCE)
+            for _ in range(20):
+                k(y, global_size=(1 << 10, 1, 1), local_size=(64, 1, 1))
+            raise KeyError("body")
+    assert g._fd_closed and g._slots.in_use == 0
+
+
+def test_no_thread_of_its_own() -> None:
+    """The device adds no Python thread: completion comes from the driver's threads."""
+    names = {t.name for t in threading.enumerate()}
+
+    async def main() -> None:
+        async with hcqa.open_device("opencl:0") as g:
+            await g.program("inc", SOURCE)(g.alloc(shape=(4,), dtype="int32"))
+            assert {t.name for t in threading.enumerate()} == names
+
+    trio.run(main)
