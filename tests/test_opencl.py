@@ -5,6 +5,7 @@ Results are checked against numpy."""
 
 from __future__ import annotations
 
+import json
 import resource
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import hcqa
 
@@ -314,3 +316,34 @@ def test_no_thread_of_its_own() -> None:
             assert {t.name for t in threading.enumerate()} == names
 
     trio.run(main)
+
+
+async def test_tracer_records_device_ranges_on_the_host_clock(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    async with hcqa.open_devices("opencl:0", "cpu:0") as (g, c):
+        y = g.alloc(shape=(1 << 14,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        await k(y, global_size=(1 << 8, 1, 1), local_size=(64, 1, 1))  # built before tracing
+        with hcqa.Tracer(path) as tracer:
+            t0 = time.monotonic_ns()
+            await k(y, global_size=(1 << 8, 1, 1), local_size=(64, 1, 1))
+            t1 = time.monotonic_ns()
+            s, gate = hcqa.Signal(), hcqa.Signal()
+            q = g.compute_queue().wait(gate, 1)
+            q.exec(k, (y,), global_size=(1 << 8, 1, 1), local_size=(64, 1, 1)).signal(s, 1)
+            q.submit()
+            noop = c.program("noop", lambda out: None)
+            fence = c.compute_queue().wait(s, 1).exec(noop, (c.alloc(8),)).submit()
+            await trio.testing.wait_all_tasks_blocked()  # cpu:0's actor is parked on s
+            gate.value = 1
+            await fence  # a cross-device wait: a flow arrow from opencl:0's range
+            await g.synchronize()
+        origin = tracer._origin
+    doc = json.loads(path.read_text())
+    pids = {e["args"]["name"]: e["pid"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    ranges = [e for e in doc["traceEvents"] if e.get("pid") == pids["opencl:0"] and e["ph"] == "X"]
+    assert [e["name"] for e in ranges] == ["inc", "inc"]
+    first = ranges[0]
+    start_ns = origin + first["ts"] * 1000
+    assert t0 - 20_000 <= start_ns <= start_ns + first["dur"] * 1000 <= t1 + 20_000
+    assert any(e["ph"] == "s" and e["pid"] == pids["opencl:0"] for e in doc["traceEvents"])

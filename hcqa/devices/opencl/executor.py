@@ -26,6 +26,11 @@ The host objects a command reads or fills (the numpy array of a copy, PyOpenCL's
 ``NannyEvent`` of it, a file mapping) stay referenced by the segment until its completion
 is processed: dropping a ``NannyEvent`` earlier would block the interpreter in its destructor.
 
+Tracing: while a :class:`~hcqa.Tracer` records, each enqueued command keeps its event, and
+the pump adds a device range per command from its profiling START and END moved to the host
+clock (``clock_offset_ns``), with the flow arrows the queue actor announced; signals are then
+all set by the pump, after their producer range is recorded.
+
 Faults: a driver call that fails while enqueueing faults the device at once (a
 :class:`~hcqa.errors.DeviceFault` with the CL error as its cause); from then on nothing is
 enqueued, and the signals of skipped commands are broken, as an engine does. A command that
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hcqa import commands as cmd
+from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opencl import runtime
 from hcqa.devices.opencl.memory import ClMemory
@@ -61,14 +67,17 @@ _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _ENQUEUED = (_EXEC, _COPY, _LOAD)
 _ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
+_NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 
 
 class Segment:
     """Driver commands up to ``event`` and the work to do once it completed."""
 
-    __slots__ = ("address", "books", "event", "keep", "what", "words")
+    __slots__ = ("address", "books", "event", "flows", "keep", "traced", "what", "words")
 
     def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
+        self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
+        self.flows: Any = None  # a tracer's flow sources into this segment's first range
         self.event = event
         # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
         self.books = books
@@ -147,6 +156,14 @@ class ClExecutor:
     # -- enqueueing (the submitting thread) --------------------------------------------------
 
     def _enqueue_run(self, run: list[Any]) -> None:
+        hook = _engine.trace_hook  # tracing: ranges from the profiling counters, at completion
+        traced: list[tuple[Any, Any]] | None = None
+        flows: Any = None
+        if hook is not None:
+            traced = []
+            track = hook._engines.get(self) or hook._track(self)
+            hook.engine_run(self, run, _NO_HANDLERS)  # takes the flows waiting for this run
+            flows, track.pending = track.pending, None
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
@@ -160,8 +177,9 @@ class ClExecutor:
             kind = type(c)
             if kind in _ENQUEUED:
                 if books:
-                    self._close(last, books, keep, what)
+                    self._close(last, books, keep, what, traced, flows)
                     books, keep, last = [], [], None
+                    traced, flows = ([] if traced is not None else None), None
                 try:
                     last = self._enqueue(c, keep)
                 except BaseException as exc:
@@ -170,6 +188,8 @@ class ClExecutor:
                     keep = []
                     break
                 keep.append(last)  # PoCL touches failed events' successors: keep every event
+                if traced is not None:
+                    traced.append((c, last))
                 if not what:
                     what = _describe(c)
                 for s in starts:
@@ -197,17 +217,27 @@ class ClExecutor:
                 break
         books.extend(("stamp", s, None, False) for s in starts)
         if books or keep:
-            self._close(last, books, keep, what)
+            self._close(last, books, keep, what, traced, flows)
         self.queue.flush()
 
-    def _close(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str) -> None:
+    def _close(
+        self,
+        event: Any,
+        books: list[tuple[Any, ...]],
+        keep: list[Any],
+        what: str,
+        traced: list[tuple[Any, Any]] | None = None,
+        flows: Any = None,
+    ) -> None:
         """End a segment at ``event`` (a marker when None) and register its callback."""
         if event is None:
             event = self._cl.enqueue_marker(self.queue)
             what = what or "marker"
         seg = Segment(event, books, keep, what)
         seg.words, seg.address = words, _ = self.device._slots.take()
-        if books:
+        if traced is not None:  # the pump sets every signal after recording its producer
+            seg.traced, seg.flows = traced, flows
+        elif books:
             seg.books = self._native_stores(books, words)
         self.pending.append(seg)
         status = self._native.register(event, seg.address)
@@ -335,6 +365,8 @@ class ClExecutor:
         if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
             self.fail(seg, status)
             return
+        if seg.traced is not None:
+            self._trace(seg)
         for book in seg.books:
             op = book[0]
             if op == "signal":
@@ -345,6 +377,23 @@ class ClExecutor:
                 ev = book[2] if book[2] is not None else seg.event
                 book[1]._stamp_from_engine(ev.profile.start if book[3] else ev.profile.end)
         self.completed += 1
+
+    def _trace(self, seg: Segment) -> None:
+        """Device ranges of a traced segment, from its events' profiling counters moved to
+        the host clock, and the producers of the signals it sets (for flow arrows)."""
+        hook = _engine.trace_hook
+        if hook is None:
+            return
+        track = hook._engines.get(self) or hook._track(self)
+        offset = self.device.clock_offset_ns()
+        if seg.flows:
+            track.pending = seg.flows
+        for command, event in seg.traced or ():
+            profile = event.profile
+            hook._range(track, command, profile.start + offset, profile.end + offset, None)
+        for book in seg.books:
+            if book[0] == "signal" and track.last is not None:
+                hook._produced_by(book[1], book[2], track.last)
 
     def fail(self, seg: Segment, status: int) -> None:
         """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping."""
