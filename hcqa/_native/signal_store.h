@@ -7,7 +7,7 @@
  * 1 to every eventfd: the value word is the truth, the eventfd only says "look again".
  *
  * Header-only (static inline): include it in the C source that needs it; hcqa compiles that source
- * with its own C compiler and cache (hcqa/devices/compiler.py).
+ * with its own C compiler and cache (hcqa/_native/compiler.py).
  */
 #ifndef HCQA_SIGNAL_STORE_H
 #define HCQA_SIGNAL_STORE_H

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from hcqa.devices.compiler import compile_c
+from hcqa._native.compiler import compile_c
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
 
