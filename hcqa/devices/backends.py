@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from hcqa.errors import InvalidCommand
+from hcqa.errors import InvalidCommand, install_hint
 
 if TYPE_CHECKING:
     from hcqa.devices.base import Device
@@ -98,16 +98,16 @@ def device_class(kind: str, name: str) -> type[Device]:
 
 register("cpu", "hcqa.devices.cpu:CpuDevice", missing="the cpu backend failed to import")
 register(
-    "opencl",
-    "hcqa.devices.opencl.device:OpenCLDevice",
-    missing="the OpenCL backend needs PyOpenCL: pip install 'hcqa[opencl]'",
-    shared=True,
-)
-register(
     "cuda",
     "hcqa.devices.cuda:CudaDevice",
     missing=(
         "this hcqa has no CUDA device yet (only cpu:N); one is planned on NVIDIA's "
         "cuda-bindings"
     ),
+)
+register(
+    "opencl",
+    "hcqa.devices.opencl.device:OpenCLDevice",
+    missing=f"the OpenCL backend needs PyOpenCL: {install_hint('opencl')}",
+    shared=True,
 )

@@ -45,7 +45,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -57,9 +57,6 @@ from hcqa.devices.opencl.memory import ClMemory
 from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
-
-if TYPE_CHECKING:
-    from hcqa.devices.opencl.device import OpenCLDevice
 
 __all__ = ["ClExecutor", "Segment"]
 
@@ -92,7 +89,7 @@ class ClExecutor:
 
     def __init__(
         self,
-        device: OpenCLDevice,
+        device: runtime.ClHost,
         kind: str,
         queue: Any,
         *,

@@ -25,7 +25,7 @@ captures them at each enqueue), so a repeated call sets nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -34,8 +34,9 @@ from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
 
 if TYPE_CHECKING:
+    from hcqa.devices.base import Device
     from hcqa.devices.buffer import Buffer
-    from hcqa.devices.opencl.device import OpenCLDevice
+    from hcqa.devices.opencl.runtime import ClHost
 
 __all__ = ["ClProgram", "build"]
 
@@ -53,7 +54,7 @@ def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -
     raise InvalidCommand("an OpenCL kernel runs on its device only, never on the host")
 
 
-def build(device: OpenCLDevice, name: str, src: Any, entry: str | None) -> tuple[Any, list[Any]]:
+def build(device: ClHost, name: str, src: Any, entry: str | None) -> tuple[Any, list[Any]]:
     """Build ``src`` for the device; (kernel, [(param name, numpy type or None)])."""
     from hcqa.devices.opencl.runtime import cl
 
@@ -119,7 +120,7 @@ class ClProgram(Program):
 
     def __init__(
         self,
-        device: OpenCLDevice,
+        device: Device,
         name: str,
         kernel: Any,
         params: list[Any],
@@ -155,10 +156,10 @@ class ClProgram(Program):
                 f"(got {len(exec_.buffers)} buffers and {len(exec_.vals)} vals)"
             )
         self.check_vals(exec_.vals)
-        for i, b in enumerate(exec_.buffers):
-            if b.offset:
-                b._mem.arg(b.offset, b.nbytes)  # type: ignore[attr-defined]  # refuses a misaligned view
-            del i
+        for b in exec_.buffers:
+            buf = cast("Buffer", b)
+            if buf.offset:
+                buf._mem.arg(buf.offset, buf.nbytes)  # type: ignore[attr-defined]  # misaligned?
         return exec_
 
     def set_args(self, buffers: Sequence[Buffer], vals: Sequence[int]) -> None:

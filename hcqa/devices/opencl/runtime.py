@@ -30,7 +30,7 @@ import glob
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -39,7 +39,7 @@ from hcqa._native.compiler import compile_c
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
 
-__all__ = ["WORDS", "SlotTable", "cl", "context_for", "native"]
+__all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
 
 WORDS = 16  # uint64 words per slot (see callback.c)
 FIRED, STATUS, FD, NSTORES, STORES, HOST_NS, DONE = 0, 1, 2, 3, 4, 13, 15
@@ -51,6 +51,21 @@ _contexts: dict[int, Any] = {}
 _native: _Native | None = None
 _abandoned: list[Any] = []  # slot pages a late callback may still write: kept for good
 _dead_fd = -1  # the eventfd abandoned slots point at (opened once, never closed)
+
+
+class ClHost(Protocol):
+    """What the executor and programs use of their OpenCL device (``device.py``)."""
+
+    name: str
+    context: Any
+    cl_device: Any
+    _slots: SlotTable
+    _queues: dict[str, Any]
+    _error: BaseException | None
+
+    def _fault(self, exc: BaseException) -> None: ...
+    def _wake_pump(self) -> None: ...
+    def clock_offset_ns(self) -> int: ...
 
 
 def cl() -> Any:
