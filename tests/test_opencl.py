@@ -244,15 +244,15 @@ async def test_timing_from_profiling_counters() -> None:
 
 async def test_driver_failure_at_enqueue_is_a_sticky_device_fault() -> None:
     async with hcqa.open_device("opencl:0") as g:
-        buf = g.alloc(256)
-        await buf.copyin(bytes(256))
-        # overlapping regions of one buffer: the driver refuses (CL_MEM_COPY_OVERLAP)
-        fence = g.copy_queue().copy(buf.view(0, 128), buf.view(64, 128), 128).submit()
-        with pytest.raises(hcqa.DeviceFault, match="copy of 128 bytes failed") as info:
+        y = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        too_many = int(g.cl_device.max_work_group_size) * 2  # the driver refuses the group
+        fence = k(y, local_size=(too_many, 1, 1))
+        with pytest.raises(hcqa.DeviceFault, match="program 'inc' failed") as info:
             await fence
         assert isinstance(info.value.__cause__, cl.Error)
         with pytest.raises(hcqa.DeviceFault) as again:
-            buf.copyin(bytes(256))
+            y.copyin(np.zeros(4, np.int32))
         assert again.value is info.value
 
 
@@ -343,3 +343,21 @@ async def test_tracer_records_device_ranges_on_the_host_clock(tmp_path: Path) ->
     start_ns = origin + first["ts"] * 1000
     assert t0 - 20_000 <= start_ns <= start_ns + first["dur"] * 1000 <= t1 + 20_000
     assert any(e["ph"] == "s" and e["pid"] == pids["opencl:0"] for e in doc["traceEvents"])
+
+
+async def test_timestamps_on_the_host_clock_and_overlapping_copies() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        s = hcqa.Signal()
+        t0 = time.monotonic_ns() / 1000
+        await g.compute_queue().timestamp(s).submit()
+        t1 = time.monotonic_ns() / 1000
+        assert t0 <= s.timestamp <= t1  # Signal.timestamp is on the host clock
+        buf = g.alloc(shape=(64,), dtype="int32")
+        a = np.arange(64, dtype=np.int32)
+        await buf.copyin(a)
+        whole = buf.view(0, 256)
+        await g.copy_queue().copy(whole, whole, 256).submit()  # onto itself: nothing moves
+        await g.copy_queue().copy(buf.view(16, 128), buf.view(0, 128), 128).submit()  # memmove
+        expect = a.copy()
+        expect[4:36] = a[0:32]
+        np.testing.assert_array_equal(await _read(buf), expect)

@@ -284,10 +284,12 @@ class Device(Faults):
         return TimedSpan(self, queue)
 
     def clock_offset_ns(self) -> int:
-        """Nanoseconds to add to this device's timestamps to get the host clock
-        (``time.monotonic_ns``, the clock of ``Signal.timestamp``). A device with a clock
-        of its own overrides this (the model's ``_at_profile_finalize``); the engines of a
-        host device stamp with the host clock, so the base answer is exactly 0."""
+        """Nanoseconds to add to this device's own clock (its profiling counters, say) to
+        get the host clock (``time.monotonic_ns``, the clock of ``Signal.timestamp``, which
+        such a device applies when it stores a timestamp; traces apply it to device
+        ranges). A device with a clock of its own overrides this (the model's
+        ``_at_profile_finalize``); the engines of a host device stamp with the host clock,
+        so the base answer is exactly 0."""
         return 0
 
     async def synchronize(self) -> None:

@@ -10,12 +10,13 @@ device's other queue and a ``Timestamp`` into an end signal, then awaits it. So 
 span covers the work the block queued on either queue of the device, timed by the
 device, not by the host's view of it; ``span.seconds`` is the difference.
 
-Device clocks: a device with a clock of its own converts its timestamps to the host's
-clock (``time.monotonic_ns``, the clock of ``Signal.timestamp``) with
-:meth:`~hcqa.devices.base.Device.clock_offset_ns`, read once per span at its end (as
-the model does at profile finalization). The cpu device's engines stamp with the host
-clock itself: its offset is exactly zero. ``seconds`` never depends on the offset;
-``start_us`` / ``end_us`` (host clock, microseconds) do.
+Device clocks: ``Signal.timestamp`` is on the host clock (``time.monotonic_ns``) for every
+device. A device with a clock of its own reads its counters and adds
+:meth:`~hcqa.devices.base.Device.clock_offset_ns` when it stores a timestamp (the OpenCL
+device: profiling counters plus its measured offset, one offset per completion, so the two
+ends of a kernel's time share it); the cpu device's engines stamp with the host clock
+itself. So ``seconds`` is a difference of device times, and ``start_us`` / ``end_us``
+(microseconds) sit on the host clock.
 
 If the block raises, or the wait at exit is cancelled, the span has no result
 (``seconds`` stays None); the queued timestamps still run, and keep their signals
@@ -88,10 +89,9 @@ class TimedSpan:
         fence = d._submit(actor, commands, waits=len(commands) > 1)
         await fence
         first, last = self._start._stamp.value, end._stamp.value
-        offset = d.clock_offset_ns()
         self.seconds = (last - first) / 1e9
-        self.start_us = (first + offset) / 1000.0
-        self.end_us = (last + offset) / 1000.0
+        self.start_us = first / 1000.0  # stamps are on the host clock (see the module doc)
+        self.end_us = last / 1000.0
         self._start.close()
         end.close()
 

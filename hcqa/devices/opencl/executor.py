@@ -17,8 +17,9 @@ collected into a *segment* that ends at the last driver command before it (or at
 when the run has none): the native callback is registered on that command's event with a slot
 of its own (``runtime.py``). When the device's pump (a trio task of the device, see
 ``device.py``) finds the slot fired, it does the segment's work in order on the loop:
-timestamps from the events' profiling counters (a ``Timestamp`` right before a command takes
-its START, any other the END of the segment's last command), signal values
+timestamps from the events' profiling counters moved to the host clock (a ``Timestamp``
+right before a command takes its START, any other the END of the segment's last command;
+``Signal.timestamp`` is on the host clock for every device), signal values
 (``_set_from_engine``) and timeline steps (``Timeline.complete``). The in-order queue makes
 segments complete in the order they were enqueued, so the pump takes them from the front.
 
@@ -41,6 +42,7 @@ pending events when no segment completed for half the hang limit (see ``device.p
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
 import threading
@@ -306,6 +308,17 @@ class ClExecutor:
         cl = self._cl
         d_mem, s_mem = _device_memory(dest), _device_memory(src)
         if d_mem is not None and s_mem is not None:
+            if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
+                if dest.offset == src.offset:
+                    return cl.enqueue_marker(self.queue)  # a copy onto itself: nothing to move
+                bounce = cl.Buffer(self.device.context, cl.mem_flags.READ_WRITE, n)
+                keep.append(bounce)
+                cl.enqueue_copy(
+                    self.queue, bounce, s_mem.clbuf, byte_count=n, src_offset=src.offset
+                )
+                return cl.enqueue_copy(
+                    self.queue, d_mem.clbuf, bounce, byte_count=n, dst_offset=dest.offset
+                )
             return cl.enqueue_copy(
                 self.queue, d_mem.clbuf, s_mem.clbuf, byte_count=n,
                 src_offset=src.offset, dst_offset=dest.offset,
@@ -364,15 +377,19 @@ class ClExecutor:
             return
         if seg.traced is not None:
             self._trace(seg)
+        offset: int | None = None
         for book in seg.books:
             op = book[0]
             if op == "signal":
                 book[1]._set_from_engine(book[2])
             elif op == "step":
                 book[1].complete(book[2])
-            else:
+            else:  # Signal.timestamp is on the host clock: one offset for the whole segment
+                if offset is None:
+                    offset = self.device.clock_offset_ns()
                 ev = book[2] if book[2] is not None else seg.event
-                book[1]._stamp_from_engine(ev.profile.start if book[3] else ev.profile.end)
+                ns = ev.profile.start if book[3] else ev.profile.end
+                book[1]._stamp_from_engine(ns + offset)
         self.completed += 1
 
     def _trace(self, seg: Segment) -> None:
@@ -415,10 +432,14 @@ def _device_memory(end: Any) -> ClMemory | None:
 
 
 def _host_array(end: Any, n: int) -> Any:
-    """A uint8 array over ``n`` bytes of host memory at the end's address (a host array's
-    reference, or a buffer of a device whose memory is host memory)."""
-    import ctypes
-
+    """The host memory of a copy's other end, ``n`` bytes: a host array (copyin, copyout),
+    or a buffer of a device whose memory is host memory (a cpu device)."""
+    if isinstance(end, cmd.HostMemoryRef):
+        arr = end.keep[1]  # the contiguous array host_ref checked
+        if arr.nbytes == n:
+            return arr
+    elif isinstance(end, Buffer):
+        return end._mem.view()[end.offset : end.offset + n]
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(end.va_addr))
 
 
