@@ -371,7 +371,7 @@ class ClExecutor:
 
     def complete(self, seg: Segment) -> None:
         """Do a fired segment's work, in order."""
-        status = int(np.int64(seg.words[runtime.STATUS]))
+        status = ctypes.c_int64(seg.words[runtime.STATUS]).value
         if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
             self.fail(seg, status)
             return

@@ -32,9 +32,6 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from hcqa._native.compiler import compile_c
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
@@ -144,6 +141,10 @@ def keep_forever(obj: Any) -> None:
     _abandoned.append(obj)
 
 
+Words = ctypes.Array[ctypes.c_uint64]  # one slot's 16 words (ctypes: cheap item access)
+_SLOT = ctypes.c_uint64 * WORDS
+
+
 class SlotTable:
     """Callback slots of one device (see the module doc). Trio-thread bookkeeping only."""
 
@@ -151,29 +152,32 @@ class SlotTable:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._pages: list[npt.NDArray[np.uint64]] = []
-        self._free: list[tuple[npt.NDArray[np.uint64], int]] = []
+        self._pages: list[ctypes.Array[ctypes.c_uint64]] = []
+        self._free: list[tuple[Words, int]] = []
         self.in_use = 0
 
-    def take(self) -> tuple[npt.NDArray[np.uint64], int]:
-        """A clean slot: (its words as an array, its address)."""
+    def take(self) -> tuple[Words, int]:
+        """A clean slot: (its words, its address)."""
         if not self._free:
-            page = np.zeros((self.PAGE, WORDS), dtype=np.uint64)
+            page = (ctypes.c_uint64 * (WORDS * self.PAGE))()
             self._pages.append(page)
-            base = page.ctypes.data
-            self._free.extend((page[i], base + i * WORDS * 8) for i in range(self.PAGE))
+            base = ctypes.addressof(page)
+            size = WORDS * 8
+            self._free.extend(
+                (_SLOT.from_buffer(page, i * size), base + i * size) for i in range(self.PAGE)
+            )
         words, address = self._free.pop()
-        words[:] = 0
+        words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
         words[FD] = self.fd
         self.in_use += 1
         return words, address
 
-    def give(self, words: npt.NDArray[np.uint64], address: int) -> None:
+    def give(self, words: Words, address: int) -> None:
         """Return a slot whose ``done`` word is set."""
         self._free.append((words, address))
         self.in_use -= 1
 
-    def abandon(self, words: npt.NDArray[np.uint64]) -> None:
+    def abandon(self, words: Words) -> None:
         """A slot whose callback may come at any time, even after the device is gone."""
         words[FD] = _dead()
         words[NSTORES] = 0
