@@ -7,8 +7,11 @@
  *   [0] fired      set to 1 once the event completed (release: the stores before it are seen)
  *   [1] status     the event's execution status as the driver gave it
  *   [2] fd         the device's completion eventfd, written after ``fired``
- *   [3] n          native signal stores to make first (at most 3)
+ *   [3] n          native signal stores to make first (at most 2)
  *   [4 + 3i ...]   store i: value address, value, eventfd (-1: none)
+ *   [10] complete  a timeline's C completion, ``int fn(timeline, seq, foreign)`` (0: none)
+ *   [11] timeline  its first argument (the device's C timeline)
+ *   [12] seq       the step to complete, after the stores
  *   [13] host_ns   CLOCK_MONOTONIC when the callback ran (the device clock's offset is measured
  *                  from it and the event's profiling END)
  *   [15] done      set to 1 last: the callback touches nothing of the slot after it, so the
@@ -25,11 +28,15 @@ void hcqa_cl_complete(void *event, int32_t status, void *user) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     slot[13] = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-    uint64_t n = slot[3] > 3 ? 3 : slot[3];
+    uint64_t n = slot[3] > 2 ? 2 : slot[3];
     for (uint64_t i = 0; i < n; i++) {
         uint64_t *store = &slot[4 + 3 * i];
         int fd = (int)(int64_t)store[2];
         hcqa_signal_store((uint64_t *)(uintptr_t)store[0], store[1], 0, 0, &fd, fd >= 0 ? 1 : 0);
+    }
+    if (slot[10] != 0) {  /* the timeline step: its prefix, wrap and wake-ups are the C timeline's */
+        typedef int (*complete_fn)(void *, uint64_t, int);
+        ((complete_fn)(uintptr_t)slot[10])((void *)(uintptr_t)slot[11], slot[12], 0);
     }
     __atomic_store_n(&slot[1], (uint64_t)(int64_t)status, __ATOMIC_RELAXED);
     __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);

@@ -244,25 +244,34 @@ class ClExecutor:
             raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
 
     def _native_stores(self, books: list[tuple[Any, ...]], words: Any) -> list[tuple[Any, ...]]:
-        """Let the callback itself complete what needs no Python: this queue's own signal,
-        and this device's timeline step when every earlier step is done or enqueued before
-        it on this queue (it then completes the timeline's prefix, outside an epoch's first
-        step). The waiters of those wake straight from the driver's thread; the pump still
-        does the timeline's bookkeeping. Returns the books left to the pump."""
+        """Let the callback itself complete what needs no Python, while nothing before it
+        does (a timestamp, say): this queue's own signal, and this device's timeline step
+        -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
+        completed prefix, the wrap and the wake-ups whatever order steps complete in; or,
+        without one, directly when every earlier step is done or enqueued before it on this
+        queue (the pump then does the Python timeline's bookkeeping). The waiters of those
+        wake straight from the driver's thread. Returns the books left to the pump."""
         own = self.device._queues[self.kind].signal
         timeline = self.timeline
+        c_timeline = timeline.c_address
         left: list[tuple[Any, ...]] = []
         n = 0
-        native = True  # only while nothing before needs the pump (a timestamp, say)
+        native = True
         for book in books:
-            native = native and n < runtime.MAX_STORES
-            if native and book[0] == "signal" and book[1] is own:
+            if native and book[0] == "signal" and book[1] is own and n < runtime.MAX_STORES:
                 self._store(words, n, own, book[2])
                 n += 1
                 continue
             if native and book[0] == "step" and book[1] is timeline:
                 seq = book[2]
-                if (seq - 1 <= timeline.done or seq - 1 == self._ordered) and seq % WRAP != 1:
+                if c_timeline is not None:
+                    words[runtime.TL_FN] = self._native.tl_complete
+                    words[runtime.TL_ARG] = c_timeline
+                    words[runtime.TL_SEQ] = seq
+                    native = False  # what follows waits for the pump
+                    continue
+                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
+                if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
                     self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
                     n += 1
                     self._ordered = seq

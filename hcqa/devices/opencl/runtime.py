@@ -33,14 +33,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hcqa._native.compiler import compile_c
+from hcqa._native.lane import library
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
 
 __all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
 
 WORDS = 16  # uint64 words per slot (see callback.c)
-FIRED, STATUS, FD, NSTORES, STORES, HOST_NS, DONE = 0, 1, 2, 3, 4, 13, 15
-MAX_STORES = 3
+FIRED, STATUS, FD, NSTORES, STORES, TL_FN, TL_ARG, TL_SEQ, HOST_NS, DONE = (
+    0, 1, 2, 3, 4, 10, 11, 12, 13, 15
+)
+MAX_STORES = 2
 CL_COMPLETE = 0
 
 _lock = threading.Lock()
@@ -113,6 +116,12 @@ class _Native:
             raise InvalidCommand(f"OpenCL callback slots must be {WORDS} words (got {words[0]})")
         callback = ctypes.CDLL(abi.path).hcqa_cl_complete
         self.callback = ctypes.cast(callback, ctypes.c_void_p).value or 0
+        lane = library()  # the C timeline the callback completes steps on (None: none here)
+        self.tl_complete = (
+            ctypes.cast(lane.lib.hcqa_tl_complete, ctypes.c_void_p).value or 0
+            if lane is not None
+            else 0
+        )
 
     def register(self, event: Any, slot: int) -> int:
         """``clSetEventCallback(event, CL_COMPLETE, hcqa_cl_complete, slot)``: the CL status."""
@@ -168,6 +177,7 @@ class SlotTable:
             )
         words, address = self._free.pop()
         words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
+        words[TL_FN] = 0
         words[FD] = self.fd
         self.in_use += 1
         return words, address
@@ -180,6 +190,6 @@ class SlotTable:
     def abandon(self, words: Words) -> None:
         """A slot whose callback may come at any time, even after the device is gone."""
         words[FD] = _dead()
-        words[NSTORES] = 0
+        words[NSTORES] = words[TL_FN] = 0
         _abandoned.append(self._pages)  # the pages stay mapped for the process's life
         self.in_use -= 1
