@@ -112,7 +112,12 @@ class CommandSlot:
         self.last: Any = None
         # per val: its position in ``symbols`` (or -1: a constant), for a patchable Exec
         self.patch: tuple[int, ...] | None = None
-        if type(command) is cmd.Exec and command.program.kernel is None:
+        # (a kernel with typed vals -- C, OpenCL -- is range-checked per replay: no patch)
+        if (
+            type(command) is cmd.Exec
+            and command.program.kernel is None
+            and getattr(command.program, "val_ranges", None) is None
+        ):
             sizes = (*command.global_size, *command.local_size)
             if not any(isinstance(v, _SYM) for v in sizes):
                 index = {s: i for i, s in enumerate(self.symbols)}
