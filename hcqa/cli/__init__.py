@@ -78,7 +78,7 @@ def _compiler() -> str:
 def _cuda() -> str:
     """Whether a CUDA device is usable: hcqa's cuda device, the bindings, the driver."""
     if importlib.util.find_spec("hcqa.devices.cuda") is None:
-        return "not available (this hcqa has no CUDA device yet; only cpu:N)"
+        return "not available (this hcqa has no CUDA device yet: cpu:N and opencl:N)"
     try:
         driver: Any = importlib.import_module("cuda.bindings.driver")
     except ImportError:
@@ -113,7 +113,7 @@ def _run_info(args: argparse.Namespace) -> int:
         ("numpy", _version("numpy")),
         ("platform", platform.platform()),
         ("cc", _compiler()),
-        ("devices", f"cpu:N (any N; {os.cpu_count() or 1} cores)"),
+        ("devices", f"cpu:N (any N; {os.cpu_count() or 1} cores), opencl:N (listed below)"),
         ("cuda", _cuda()),
         *opencl_rows(),
     ]

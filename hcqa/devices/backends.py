@@ -101,7 +101,7 @@ register(
     "cuda",
     "hcqa.devices.cuda:CudaDevice",
     missing=(
-        "this hcqa has no CUDA device yet (only cpu:N); one is planned on NVIDIA's "
+        "this hcqa has no CUDA device yet (cpu:N and opencl:N); one is planned on NVIDIA's "
         "cuda-bindings"
     ),
 )
