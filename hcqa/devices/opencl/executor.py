@@ -46,6 +46,7 @@ import ctypes
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -300,11 +301,12 @@ class ClExecutor:
         if kind is _EXEC:
             keep.append(c)
             prog = c.program
-            kernel = prog.cl_kernel
-            prog.set_args(c.buffers, c.vals)
-            local = tuple(c.local_size)
-            size = tuple(g * n for g, n in zip(c.global_size, local, strict=True))
-            return cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+            if prog.last_exec() is not c:  # a resubmitted command: its arguments are set
+                prog.set_args(c.buffers, c.vals)
+                prog.last_exec = weakref.ref(c)
+            g, n = c.global_size, c.local_size
+            size = (g[0] * n[0], g[1] * n[1], g[2] * n[2])  # HCQ counts work-groups
+            return cl.enqueue_nd_range_kernel(self.queue, prog.cl_kernel, size, n)
         if kind is _COPY:
             keep.append(c)
             return self._copy(c.dest, c.src, c.nbytes, keep)

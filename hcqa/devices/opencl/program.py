@@ -24,7 +24,7 @@ captures them at each enqueue), so a repeated call sets nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -48,6 +48,10 @@ _SCALARS = {
     "size_t": np.uint64, "ptrdiff_t": np.int64, "intptr_t": np.int64, "uintptr_t": np.uint64,
 }  # fmt: skip
 _LOG_LIMIT = 4000
+
+
+def _nothing() -> None:
+    return None
 
 
 def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -> None:
@@ -141,6 +145,8 @@ class ClProgram(Program):
         self.writes = None if writes is None else self._positions("writes", writes)
         self.reads = None if reads is None else self._positions("reads", reads)
         self._set: list[Any] = [None] * (self.n_buffers + self.n_vals)
+        # the Exec whose arguments the kernel holds now (a resubmitted one sets none)
+        self.last_exec: Callable[[], object] = _nothing
 
     def validate(
         self,
