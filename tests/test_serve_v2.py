@@ -6,12 +6,14 @@ tritonclient.http is blocking (geventhttpclient): each test runs it in a worker 
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import signal
 import subprocess
 import sys
 import threading
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -594,3 +596,44 @@ def test_cli_refuses_sleep_on_opencl_before_opening_devices(
     monkeypatch.setattr(hcqa, "open_devices", no_devices)
     assert main(["serve", "--device", "opencl", "--sleep-ms", "5"]) == 2
     assert "--sleep-ms needs --device cpu" in capsys.readouterr().err
+
+
+async def test_compressed_requests_as_tritonclient_sends_them() -> None:
+    def check(c: Any) -> None:
+        x = data((3, 5), 11)
+        for algorithm in ("gzip", "deflate"):
+            for binary in (False, True):
+                inp = httpclient.InferInput("input", [3, 5], "FP32")
+                inp.set_data_from_numpy(x, binary_data=binary)
+                r = c.infer(
+                    "affine",
+                    [inp],
+                    request_compression_algorithm=algorithm,
+                    response_compression_algorithm=algorithm,  # answered uncompressed: allowed
+                )
+                np.testing.assert_array_equal(r.as_numpy("output"), affine_ref(x))
+
+    async with server() as (port, _):
+        await triton(port, check)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body", "status", "words"),
+    [
+        ("br", NESTED_OK, 415, ["gzip, deflate or identity", "'br'"]),
+        ("gzip", NESTED_OK, 400, ["not gzip data"]),
+        ("deflate", zlib.compress(NESTED_OK)[:-6], 400, ["ends early"]),
+        ("gzip", gzip.compress(b" " * (2 << 20)), 413, ["larger than", "decompressed"]),
+        ("identity", NESTED_OK, 200, []),
+    ],
+)
+async def test_bad_content_encodings(
+    encoding: str, body: bytes, status: int, words: list[str]
+) -> None:
+    async with server() as (port, _), http(port) as c:
+        r = await c.post(
+            "/v2/models/sums/infer", content=body, headers={"content-encoding": encoding}
+        )
+        assert r.status_code == status, r.content
+        for word in words:
+            assert word in r.json()["error"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "TensorSpec",
     "datatype_of",
     "encode_response",
+    "inflate",
     "parse_request",
 ]
 
@@ -173,6 +175,28 @@ def parse_request(
             pairs.append((out["name"], binary_output if flag is None else flag))
         asked = tuple(pairs)
     return InferRequest(request_id, x, asked, binary_output, timeout)
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed per its ``Content-Encoding`` (``gzip``, ``deflate`` -- zlib data,
+    what tritonclient sends -- or ``identity``), refused past ``limit`` bytes (413)."""
+    kind = encoding.strip().lower()
+    if kind in ("", "identity"):
+        return body
+    if kind not in ("gzip", "deflate"):
+        raise InputError(
+            415, f"Content-Encoding must be gzip, deflate or identity (got {encoding[:40]!r})"
+        )
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS if kind == "gzip" else zlib.MAX_WBITS)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InputError(400, f"the body is not {kind} data ({exc})") from None
+    if len(out) > limit:
+        raise InputError(413, f"body larger than {limit} bytes once decompressed")
+    if not d.eof:
+        raise InputError(400, f"the {kind} body ends early")
+    return out
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:

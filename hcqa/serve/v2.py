@@ -52,7 +52,13 @@ from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
 from hcqa.serve.bodies import ClientGone, off_loop, read_body
 from hcqa.serve.inputs import InputError
 from hcqa.serve.metrics import State
-from hcqa.serve.tensors import HEADER_LENGTH, TensorSpec, encode_response, parse_request
+from hcqa.serve.tensors import (
+    HEADER_LENGTH,
+    TensorSpec,
+    encode_response,
+    inflate,
+    parse_request,
+)
 
 __all__ = ["NAME_PATTERN", "V2", "Model", "Served"]
 
@@ -254,6 +260,9 @@ class V2:
 
     async def _admitted(self, request: Request, m: Served, body: bytes) -> Response:
         st = m.state
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:  # tritonclient's request_compression_algorithm
+            body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
         header = request.headers.get(HEADER_LENGTH)
         args = (body, header, m.input, (m.output.name,))
         if len(body) > _OFFLOAD_BYTES:
