@@ -43,7 +43,9 @@ class BufferRef(Protocol):
     nbytes: int
     va_addr: int
 
+
 __all__ = [
+    "Bind",
     "BufferRef",
     "Command",
     "Copy",
@@ -154,6 +156,16 @@ class Load:
     path: str
     offset: IntLike
     nbytes: IntLike
+    native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class Bind:
+    """Internal: a graph replay's values of its variables, for the commands after it on
+    this queue that kept their variables (a Python kernel's vals, patched in place: the
+    engine resolves them from these values when it runs the kernel)."""
+
+    values: Any = attrs.field(repr=False)  # {Variable or expression: int}
     native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 
 

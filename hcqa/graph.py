@@ -174,11 +174,18 @@ class Graph:
             if rebind:
                 for b in rebind:
                     touched.update(part.touch.get(b, ()))
+            bind = False
             for index, slot in part.slots:
+                if slot.patch is not None and index not in touched:
+                    batch[index] = slot.command  # sent as captured, patched in place:
+                    bind = True  # its variables resolve from the Bind (see Bind)
+                    continue
                 batch[index] = slot.build(values, var_vals, rebind if index in touched else None)
                 touched.discard(index)
             for index in touched:  # static entries on rebound buffers: for this replay only
                 batch[index] = rebind_command(batch[index], rebind)  # type: ignore[arg-type]
+            if bind:  # commands patched in place resolve their variables from this
+                batch.insert(0, cmd.Bind(values=values))
             out.append((part, batch, base))
         return out
 

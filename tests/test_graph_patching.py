@@ -16,7 +16,6 @@ import hcqa
 import hcqa._graph.patch
 import hcqa.variables
 from hcqa import InvalidCommand, Variable
-from hcqa._graph import patch as patch_mod
 from hcqa._graph.patch import CommandSlot
 
 ADDK = """
@@ -220,9 +219,8 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     binds = 0
-    resolves = 0  # commands built: resolved, or patched (a Python kernel's vals)
+    resolves = 0  # commands built (a Python kernel's vals are patched in place: none)
     real_bind, real_resolve = hcqa.variables._bind, hcqa._graph.patch._resolve_command
-    real_patch = patch_mod._patched
 
     def count_bind(var: Any, var_vals: Any) -> int:
         nonlocal binds
@@ -233,11 +231,6 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
         nonlocal resolves
         resolves += 1
         return real_resolve(c, *args)
-
-    def count_patch(c: Any, *args: Any) -> Any:
-        nonlocal resolves
-        resolves += 1
-        return real_patch(c, *args)
 
     seen: list[int] = []
 
@@ -257,13 +250,12 @@ async def test_each_variable_resolved_once_and_unchanged_commands_reused(
             assert g.statistics().native_runs == 1
             monkeypatch.setattr(hcqa.variables, "_bind", count_bind)
             monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count_resolve)
-            monkeypatch.setattr(patch_mod, "_patched", count_patch)
             await g(n=4)
-            assert (binds, resolves) == (1, 1)
-            await g(n=4)  # unchanged: the slot's command is sent again as built
-            assert (binds, resolves) == (2, 1)
+            assert (binds, resolves) == (1, 0)  # the Python kernel: patched in place
+            await g(n=4)
+            assert (binds, resolves) == (2, 0)
             await g(n=2)
-            assert (binds, resolves) == (3, 2)
+            assert (binds, resolves) == (3, 0)
     assert seen == [4, 4, 2]
 
 
@@ -376,7 +368,7 @@ def test_rebinding_and_variables_under_asyncio() -> None:
     assert asyncio.run(main()) == [23] * 4
 
 
-async def test_a_python_kernels_vals_are_patched_per_replay_without_touching_the_template() -> None:
+async def test_a_python_kernels_vals_are_patched_in_place_per_replay() -> None:
     seen: list[tuple[int, int]] = []
     gate = threading.Event()
 

@@ -275,7 +275,7 @@ def build_part(
     values: list[tuple[int, str, Any]] = []
     for index, kind, data in patches:
         if kind == "command":
-            slots.append((index, CommandSlot(data)))
+            slots.append((index, CommandSlot(data, in_place=True)))
         elif kind == "run":
             slots.append((index, RunSlot(data)))
         else:

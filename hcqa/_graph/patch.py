@@ -97,24 +97,27 @@ def _fill_refs(table: Any, run: RunC, rebind: Rebind) -> None:
 class CommandSlot:
     """A command with variables, rebuilt only when the values it uses change.
 
-    A Python kernel's Exec whose only variables are among its vals is *patched*: the
-    template's fields are copied into a fresh Exec (no ``__init__``, no checks: the
-    values were range-checked once for the whole replay, and a Python kernel's vals have
-    no C range) with the new vals -- about a tenth of a full rebuild. The template itself
-    is never written: a replay still in flight keeps the command it was given."""
+    A Python kernel's Exec whose only variables are among its vals is *patched in
+    place*: the template itself is sent, variables and all, and the replay's batch starts
+    with a ``Bind`` of the replay's values, from which the engine resolves the vals when
+    it runs the kernel (the values were range-checked once for the whole replay; a Python
+    kernel's vals have no C range). Nothing is built per replay, and a replay still in
+    flight keeps its own ``Bind``."""
 
     __slots__ = ("command", "key", "last", "patch", "symbols")
 
-    def __init__(self, command: Any) -> None:
+    def __init__(self, command: Any, *, in_place: bool = False) -> None:
         self.command = command
         self.symbols = symbols_of(command)
         self.key: tuple[int, ...] | None = None
         self.last: Any = None
-        # per val: its position in ``symbols`` (or -1: a constant), for a patchable Exec
+        # per val: its position in ``symbols`` (or -1: a constant), for an Exec patched
+        # in place (only where the batch gets a Bind: a graph's, with ``in_place``)
         self.patch: tuple[int, ...] | None = None
         # (a kernel with typed vals -- C, OpenCL -- is range-checked per replay: no patch)
         if (
-            type(command) is cmd.Exec
+            in_place
+            and type(command) is cmd.Exec
             and command.program.kernel is None
             and getattr(command.program, "val_ranges", None) is None
         ):
@@ -125,14 +128,11 @@ class CommandSlot:
                                    for v in command.vals)  # fmt: skip
 
     def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> Any:
+        if self.patch is not None and rebind is None:
+            return self.command  # patched in place: its batch carries a Bind (see Bind)
         key = tuple([values[s] for s in self.symbols])
         if rebind is None and key == self.key:
             return self.last
-        patch = self.patch
-        if patch is not None and rebind is None:
-            out = _patched(self.command, patch, key)
-            self.key, self.last = key, out
-            return out
         c = self.command if rebind is None else rebind_command(self.command, rebind)
         out = _resolve_command(c, bound, values)
         if rebind is None:
@@ -140,24 +140,10 @@ class CommandSlot:
         return out
 
 
-_new = object.__new__
-_set = object.__setattr__
-_EXEC_FIELDS = tuple(a.name for a in attrs.fields(cmd.Exec))
-
-
-def _patched(template: Any, patch: tuple[int, ...], key: tuple[int, ...]) -> Any:
-    """``template`` (a Python kernel's Exec) with its symbolic vals replaced from ``key``."""
-    new = _new(cmd.Exec)
-    for name in _EXEC_FIELDS:
-        _set(new, name, getattr(template, name))
-    vals = template.vals
-    _set(new, "vals", tuple([v if i < 0 else key[i] for v, i in zip(vals, patch, strict=True)]))
-    _set(new, "native", None)
-    return new
-
-
 class RunSlot:
     """A fused native run with symbolic entries: a fresh table per new set of values."""
+
+    patch = None  # never patched in place (see CommandSlot)
 
     __slots__ = ("groups", "key", "last", "run", "symbols")
 

@@ -60,6 +60,17 @@ _SIGNAL = cmd.Signal
 # the handler table to use for that run (the same handlers, wrapped to record time ranges).
 trace_hook: Any = None
 
+# The values of the latest ``Bind`` this thread ran: an engine thread's Python kernels
+# resolve variables left in their vals from them (a graph replay's patched commands).
+bound = threading.local()
+
+
+def resolve_bound(vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``vals`` with every variable or expression replaced by its value from the latest
+    ``Bind`` this thread ran."""
+    values = bound.values
+    return tuple([v if type(v) is int else values[v] for v in vals])
+
 
 class Engine:
     """A thread that executes runs of commands for one queue.
@@ -88,6 +99,7 @@ class Engine:
             cmd.Signal: self._signal,
             cmd.Timestamp: self._timestamp,
             cmd.MemoryBarrier: self._barrier,
+            cmd.Bind: self._bind,
             cmd.Step: self._step,
             **handlers,
         }
@@ -233,6 +245,10 @@ class Engine:
     @staticmethod
     def _barrier(c: Any) -> None:
         pass  # host memory: a Python thread's stores are visible once it moves on
+
+    @staticmethod
+    def _bind(c: Any) -> None:
+        bound.values = c.values  # for the kernels after it in this thread (see Bind)
 
     @staticmethod
     def _step(c: Any) -> None:

@@ -63,7 +63,7 @@ from hcqa.errors import InvalidCommand
 __all__ = ["TRIO_PID", "Tracer", "instruments_from_env", "region"]
 
 _now = time.monotonic_ns
-_BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step})
+_BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step, cmd.Bind})
 _PRODUCED_CAP = 4096  # remembered (signal, value) -> producer range entries
 TRIO_PID = 1  # not 0: Perfetto treats pid 0 as the kernel's swapper
 Span = tuple[int, int, int, int]  # pid, tid, t0 ns, t1 ns

@@ -42,6 +42,7 @@ from hcqa import commands as cmd
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import OP_CALL, OP_COPY, REC, library
 from hcqa.actors import Executor
+from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
@@ -170,11 +171,16 @@ class CpuDevice(Device):
         else:
             assert prog.fn is not None
             arrays = [b._kernel_array() for b in c.buffers]
+            vals = c.vals
+            for v in vals:
+                if type(v) is not int:  # a graph replay patched them in place: see Bind
+                    vals = resolve_bound(vals)
+                    break
             if prog.geometry:  # the keyword-only sizes it declares, resolved
                 sizes = {n: getattr(c, n) for n in prog.geometry}
-                prog.fn(*arrays, *c.vals, **sizes)
+                prog.fn(*arrays, *vals, **sizes)
             else:
-                prog.fn(*arrays, *c.vals)
+                prog.fn(*arrays, *vals)
 
     def _staged(self, end: Any) -> bool:
         return not self.host_visible and isinstance(end, cmd.HostMemoryRef)
