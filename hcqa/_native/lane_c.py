@@ -72,8 +72,13 @@ tl_t *hcqa_tl_new(uint64_t start, void *s0, int f0, void *s1, int f1, void *fs, 
     return t;
 }
 
+/* Free a timeline nobody will complete a step of any more. Another device's lane may still
+   be inside hcqa_tl_complete for its last (foreign) step -- the owner saw that step's count
+   and closed -- so wait for the mutex first: once it is ours, that call has left. */
 void hcqa_tl_free(tl_t *t) {
     if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    pthread_mutex_unlock(&t->mu);
     pthread_mutex_destroy(&t->mu);
     free(t->pend);
     free(t);
