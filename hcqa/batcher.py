@@ -45,7 +45,7 @@ import collections
 import functools
 import inspect
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -295,7 +295,7 @@ async def open_batcher(
     *,
     max_batch: int | None = None,
     max_wait: float = 0.002,
-    sample_shape: tuple[int, ...] | None = None,
+    sample_shape: Sequence[int] | int | None = None,
     dtype: npt.DTypeLike | None = None,
     depth: int | None = None,
     max_pending: int | None = None,
@@ -319,6 +319,14 @@ async def open_batcher(
     Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
     trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.
     """
+    if isinstance(sample_shape, int | np.integer) and not isinstance(sample_shape, bool):
+        sample_shape = (int(sample_shape),)  # an int is a shape, as everywhere in hcqa
+    elif sample_shape is not None and (
+        isinstance(sample_shape, str | bytes) or not isinstance(sample_shape, Sequence)
+    ):
+        raise InvalidCommand(
+            f"'sample_shape' must be an int or a sequence of ints >= 1 (got {sample_shape!r})"
+        )
     buckets: list[tuple[int, Target]] = []  # (rows, pipeline), smallest first
     if isinstance(target, list | tuple):  # pipelines of several batch sizes: buckets
         pipes = list(target)

@@ -48,7 +48,7 @@ import trio
 
 from hcqa import aio
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype, check_sample
+from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype, check_sample, check_shape
 from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -72,7 +72,7 @@ class Stage:
 
     device: Device
     program: Program | Callable[..., Any]
-    out_shape: tuple[int, ...] | None = None
+    out_shape: Sequence[int] | int | None = None
     out_dtype: Any = None
     params: tuple[Buffer, ...] = ()
     name: str = ""
@@ -110,7 +110,7 @@ class Pipeline:
         self,
         stages: Sequence[Stage | tuple[Device, Any]],
         *,
-        in_shape: tuple[int, ...],
+        in_shape: Sequence[int] | int,
         dtype: npt.DTypeLike = "float32",
         depth: int = 2,
     ) -> None:
@@ -118,7 +118,7 @@ class Pipeline:
         if not stages:
             raise InvalidCommand("a Pipeline needs at least one stage (got none)")
         self.stages = tuple(_stage(s, i) for i, s in enumerate(stages))
-        self.in_shape = tuple(in_shape)
+        self.in_shape = check_shape(in_shape, "'in_shape'")
         self.dtype = _dtype(dtype)
         self.depth = depth
         self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
@@ -128,7 +128,7 @@ class Pipeline:
         self._completed = 0
         self._cancelled = 0
         last = self.stages[-1]
-        self.out_shape = last.out_shape or self._shape_after(len(self.stages) - 1)
+        self.out_shape = _out_shape(last) or self._shape_after(len(self.stages) - 1)
         self.out_dtype = self._slots[0].out.dtype
 
     # -- building --------------------------------------------------------------------
@@ -152,7 +152,7 @@ class Pipeline:
     def _shape_after(self, index: int) -> tuple[int, ...]:
         shape = self.in_shape
         for s in self.stages[: index + 1]:
-            shape = s.out_shape or shape
+            shape = _out_shape(s) or shape
         return shape
 
     def _build_slot(self) -> _Slot:
@@ -167,7 +167,7 @@ class Pipeline:
                     steps.append(functools.partial(transfer, moved, inp))
                     steps[-1]()
                     inp = moved
-                shape = stage.out_shape or shape
+                shape = _out_shape(stage) or shape
                 dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
                 out = stage.device.alloc(shape=shape, dtype=dtype)
                 steps.append(
@@ -315,6 +315,11 @@ def _dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     return dt
 
 
+def _out_shape(stage: Stage) -> tuple[int, ...] | None:
+    """A checked stage's ``out_shape`` (a tuple once ``_stage`` made it one)."""
+    return None if stage.out_shape is None else check_shape(stage.out_shape)
+
+
 def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
     if isinstance(s, Stage):
         stage = s
@@ -328,4 +333,7 @@ def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
         raise InvalidCommand(
             f"stage {index}: device must be a hcqa Device (got {type(stage.device).__name__})"
         )
+    if stage.out_shape is not None:
+        out_shape = check_shape(stage.out_shape, f"stage {index}'s 'out_shape'")
+        stage = attrs.evolve(stage, out_shape=out_shape)
     return stage

@@ -522,3 +522,47 @@ def test_bench_unknown_name_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert err.startswith("hcqa: error: unknown benchmark 'nope' (known: bench_signals")
     assert err.count("\n") == 1
+
+
+async def test_every_shape_is_an_int_or_a_sequence_of_ints() -> None:
+    """One rule for shapes: a Pipeline's in_shape and a stage's out_shape, a process
+    pipeline's in_shape and out_shape, a batcher's sample_shape take an int, a tuple or a
+    list (as alloc does); anything else is InvalidCommand, never Python's TypeError."""
+    from hcqa.processes._checks import check_arguments
+
+    def double(out: Any, x: Any) -> None:
+        np.multiply(x, 2, out=out)
+
+    def total(out: Any, x: Any) -> None:
+        out[0] = x.sum()
+
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        for shape, want in ((6, (6,)), ([2, 3], (2, 3)), (np.int64(6), (6,))):
+            pipe = hcqa.Pipeline([(d0, double)], in_shape=shape)
+            assert pipe.in_shape == want
+            x = np.ones(want, np.float32)
+            np.testing.assert_array_equal(await pipe(x), x * 2)
+        pipe = hcqa.Pipeline([hcqa.Stage(device=d0, program=total, out_shape=1)], in_shape=[4])
+        assert pipe.out_shape == (1,)
+        assert (await pipe(np.ones(4, np.float32))).tolist() == [4.0]
+        for bad in ("6", 2.0, (2, 0), None):
+            with pytest.raises(hcqa.InvalidCommand, match="'in_shape' must be an int or"):
+                hcqa.Pipeline([(d0, double)], in_shape=bad)  # type: ignore[arg-type]
+        with pytest.raises(hcqa.InvalidCommand, match="stage 0's 'out_shape' must be an int"):
+            hcqa.Pipeline([hcqa.Stage(device=d0, program=total, out_shape="1")], in_shape=4)  # type: ignore[arg-type]
+
+        async def target(x: Any) -> Any:
+            return x
+
+        async with hcqa.open_batcher(target, max_batch=2, sample_shape=3, dtype="f4") as b:
+            assert (await b(np.ones(3, np.float32))).shape == (3,)
+        with pytest.raises(hcqa.InvalidCommand, match="'sample_shape' must be an int or"):
+            async with hcqa.open_batcher(target, max_batch=2, sample_shape="3", dtype="f4"):
+                pass
+    options: dict[str, Any] = {
+        "dtype": "float32", "depth": 2, "grace": 1.0, "hang_limit": 5.0,
+        "blas_threads": 1, "path": [],
+    }  # fmt: skip
+    stage = hcqa.ProcessStage(fn="hcqa.workers:add_one", out_shape=[2, 2])
+    specs, shape, _ = check_arguments([stage], in_shape=4, **options)
+    assert shape == (4,) and specs[0].out_shape == (2, 2)

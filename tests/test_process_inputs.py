@@ -72,7 +72,12 @@ CASES: list[tuple[str, Any, dict[str, Any], str]] = [
     ("blas_threads 0", [ADD], {"blas_threads": 0}, r"'blas_threads' must be None or an int"),
     ("path a str", [ADD], {"path": "/tmp"}, r"'path' must be a list of directory names"),
     ("path with ''", [ADD], {"path": [""]}, r"'path' must be a list"),
-    ("in_shape int", [ADD], {"in_shape": 4}, r"'in_shape' must be a tuple of ints >= 1 \(got 4\)"),
+    (
+        "in_shape str",
+        [ADD],
+        {"in_shape": "4"},
+        r"'in_shape' must be an int or a tuple of ints >= 1 \(got '4'\)",
+    ),
     ("in_shape 0", [ADD], {"in_shape": (4, 0)}, r"\(got \(4, 0\)\)"),
     ("in_shape empty", [ADD], {"in_shape": ()}, r"\(got \(\)\)"),
     ("dtype typo", [ADD], {"dtype": "float33"}, r"'dtype' must be a numpy dtype \(got 'float33'\)"),

@@ -331,9 +331,11 @@ class Buffer:
         return f"<Buffer {self.device.name} {self.nbytes} bytes{typed}{view}>"
 
 
-def check_shape(shape: object) -> tuple[int, ...]:
+def check_shape(shape: object, what: str = "'shape'") -> tuple[int, ...]:
     """``shape`` as a tuple: an int, or a sequence (tuple, list, 1-d array) of ints, each
-    > 0 (numpy integers too; never a bool or a str)."""
+    > 0 (numpy integers too; never a bool or a str). Every shape hcqa takes follows this
+    rule (``alloc``, ``view``, a pipeline's ``in_shape`` and ``out_shape``, a batcher's
+    ``sample_shape``)."""
     if isinstance(shape, int | np.integer) and not isinstance(shape, bool):
         dims: tuple[Any, ...] = (shape,)
     elif isinstance(shape, Sequence) and not isinstance(shape, str | bytes):
@@ -344,7 +346,7 @@ def check_shape(shape: object) -> tuple[int, ...]:
         dims = (None,)
     if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d > 0 for d in dims):
         raise InvalidCommand(
-            f"'shape' must be an int or a sequence of positive ints (got {shape!r})"
+            f"{what} must be an int or a sequence of positive ints (got {shape!r})"
         )
     return tuple(int(d) for d in dims)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from hcqa.errors import InvalidCommand, OutOfMemory
 
-__all__ = ["MAX_DEPTH", "ProcessStage", "check_arguments", "check_fds", "plain_dtype"]
+__all__ = ["MAX_DEPTH", "ProcessStage", "check_arguments", "check_fds", "out_shape", "plain_dtype"]
 
 MAX_DEPTH = 64  # items in flight; also keeps one worker's set-up within one fd message
 _NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -39,7 +39,7 @@ class ProcessStage:
     load a stage's weights in the worker."""
 
     fn: str
-    out_shape: tuple[int, ...] | None = None
+    out_shape: Sequence[int] | int | None = None
     out_dtype: str | None = None
     args: dict[str, Any] | None = None
 
@@ -66,11 +66,21 @@ def plain_dtype(dtype: object, what: str) -> np.dtype[Any]:
     return dt
 
 
+def out_shape(stage: ProcessStage) -> tuple[int, ...] | None:
+    """A checked stage's ``out_shape`` as a tuple (None: the stage keeps its input's)."""
+    return None if stage.out_shape is None else _shape(stage.out_shape, "'out_shape'")
+
+
 def _shape(shape: object, what: str) -> tuple[int, ...]:
+    """An int or a sequence of ints >= 1 (at least one), as everywhere in hcqa."""
+    if _is_int(shape):
+        shape = (shape,)
     if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-        raise InvalidCommand(f"{what} must be a tuple of ints >= 1 (got {shape!r})")
+        raise InvalidCommand(f"{what} must be an int or a tuple of ints >= 1 (got {shape!r})")
     if not shape or not all(_is_int(n) and n >= 1 for n in shape):
-        raise InvalidCommand(f"{what} must be a tuple of ints >= 1 (got {tuple(shape)!r})")
+        raise InvalidCommand(
+            f"{what} must be an int or a tuple of ints >= 1 (got {tuple(shape)!r})"
+        )
     return tuple(int(n) for n in shape)
 
 

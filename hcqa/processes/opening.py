@@ -56,7 +56,7 @@ __all__ = ["open_process_pipeline"]
 async def open_process_pipeline(
     stages: Sequence[ProcessStage | str],
     *,
-    in_shape: tuple[int, ...],
+    in_shape: Sequence[int] | int,
     dtype: npt.DTypeLike = "float32",
     depth: int = 2,
     grace: float = 5.0,

@@ -32,6 +32,7 @@ from hcqa.errors import (
 from hcqa.pipeline import check_input
 from hcqa.processes import _items
 from hcqa.processes._checks import ProcessStage, check_fds
+from hcqa.processes._checks import out_shape as stage_out_shape
 from hcqa.processes._pool import SlotPool
 from hcqa.processes._spawn import (
     WorkerProcess,
@@ -84,9 +85,7 @@ class ProcessPipeline:
         self.shapes: list[tuple[tuple[int, ...], np.dtype[Any]]] = [(self.in_shape, self.dtype)]
         for s in self.stages:
             shape, dt = self.shapes[-1]
-            self.shapes.append(
-                (tuple(s.out_shape) if s.out_shape else shape, np.dtype(s.out_dtype or dt))
-            )
+            self.shapes.append((stage_out_shape(s) or shape, np.dtype(s.out_dtype or dt)))
         out_shape, out_dtype = self.shapes[-1]
         out_nbytes = math.prod(out_shape) * out_dtype.itemsize
         loans = 0  # spare output slots for lent results: up to depth, within budget

@@ -28,6 +28,7 @@ import numpy as np
 
 from hcqa.errors import InvalidCommand
 from hcqa.processes import ProcessStage
+from hcqa.processes._checks import out_shape as stage_out_shape
 
 __all__ = ["Placement", "Segment", "check_cluster", "check_placement", "segments"]
 
@@ -189,7 +190,7 @@ def segments(
                 )
             )
             start, seg_shape, seg_dt = i, shape, dt
-        shape = tuple(spec.out_shape) if spec.out_shape else shape
+        shape = stage_out_shape(spec) or shape
         dt = np.dtype(spec.out_dtype or dt)
     out.append(
         Segment(

@@ -66,7 +66,7 @@ async def open_ray_pipeline(
     stages: Sequence[ProcessStage | str],
     *,
     placement: Sequence[str | dict[str, Any]],
-    in_shape: tuple[int, ...],
+    in_shape: Sequence[int] | int,
     dtype: npt.DTypeLike = "float32",
     depth: int = 2,
     grace: float = 5.0,
