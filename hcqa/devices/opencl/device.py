@@ -142,8 +142,19 @@ class OpenCLDevice(Device):
     # -- the pump ------------------------------------------------------------------------------
 
     async def _start(self, nursery: trio.Nursery) -> None:
-        await nursery.start(self._pump)
-        await super()._start(nursery)
+        # start_soon, not start: a cancellation during nursery.start leaves the child in
+        # start's own nursery (trio ignores started() there), where the shielded pump would
+        # keep start waiting forever.
+        nursery.start_soon(self._pump)
+        try:
+            await super()._start(nursery)
+        except BaseException:
+            # A set-up cut short (a cancellation, a failed start): a queue whose actor never
+            # ran never stops its executor, and the pump ends only once every executor is
+            # stopping and drained -- stop them all (what was enqueued still completes).
+            for executor in self._executors():
+                executor.stop()
+            raise
         for _ in range(_SEED_PROBES):
             self._executors()[0].probe()
 
