@@ -12,6 +12,7 @@
  *   [10] complete  a timeline's C completion, ``int fn(timeline, seq, foreign)`` (0: none)
  *   [11] timeline  its first argument (the device's C timeline)
  *   [12] seq       the step to complete, after the stores
+ *   [14] wake      1: write ``fd`` (the pump has work); 0: the pump finds the slot later
  *   [13] host_ns   CLOCK_MONOTONIC when the callback ran (the device clock's offset is measured
  *                  from it and the event's profiling END)
  *   [15] done      set to 1 last: the callback touches nothing of the slot after it, so the
@@ -40,7 +41,9 @@ void hcqa_cl_complete(void *event, int32_t status, void *user) {
     }
     __atomic_store_n(&slot[1], (uint64_t)(int64_t)status, __ATOMIC_RELAXED);
     __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);
-    hcqa_eventfd_add((int)(int64_t)slot[2]);
+    /* ``wake`` may be set by the loop after ``fired`` was stored (a stop): order the two */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&slot[14], __ATOMIC_RELAXED)) hcqa_eventfd_add((int)(int64_t)slot[2]);
     __atomic_store_n(&slot[HCQA_SLOT_WORDS - 1], 1, __ATOMIC_RELEASE);
 }
 

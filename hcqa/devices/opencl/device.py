@@ -12,7 +12,10 @@ timeline, hazards, faults, hang limits, capture, ``timed``) with four backend pi
   :class:`~hcqa.devices.opencl.executor.ClExecutor` over its own in-order, profiling
   ``cl.CommandQueue`` in the platform's shared context (``runtime.py``);
 * completion: the native callback writes the device's eventfd; the **pump**, a trio task of
-  the device, sleeps on it and does each fired segment's work in queue order. When no
+  the device, sleeps on it and does each fired segment's work in queue order. A segment the
+  callback finished by itself (its signal and timeline step) does not wake the pump: the
+  next enqueue on the loop's thread tidies it (refs dropped, slot back), or the pump when it
+  next wakes (a stop, its timer). When no
   callback came for a third of the hang limit it asks the driver for the status of what is
   pending (nothing when idle: a wake every 10 s at the default limit): PoCL 3 never calls back
   for a command that failed, so a negative status found there becomes the device's
@@ -36,6 +39,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -85,6 +89,7 @@ class OpenCLDevice(Device):
         self._offsets: collections.deque[int] = collections.deque(maxlen=_SAMPLES)
         self._sampled = 0
         self._pump_running = False
+        self._loop = -1  # the thread the pump runs on (the event loop's)
         self._fd_closed = False
         self._align = max(1, int(self.cl_device.mem_base_addr_align) // 8)
         try:
@@ -167,33 +172,51 @@ class OpenCLDevice(Device):
 
     async def _pump(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._pump_running = True
+        self._loop = threading.get_ident()
         task_status.started()
         executors = self._executors()
-        check = max(self.hang_limit / 3, 0.001) if not math.isinf(self.hang_limit) else 3600.0
         try:
-            with trio.CancelScope(shield=True):  # completions must be seen even when cancelled
-                while True:
-                    self._drain(executors)
-                    if self._lingering:
-                        self._linger()
-                    if all(e.finished for e in executors) and not self._lingering:
-                        return
-                    if self._hung and all(e.stopping for e in executors):
-                        self._abandon(executors)
-                        return
-                    if self._lingering:  # a callback between its eventfd write and `done`
-                        await trio.sleep(0.0002)
-                        continue
-                    with trio.move_on_after(check) as scope:
-                        await trio.lowlevel.wait_readable(self._fd)
-                    if scope.cancelled_caught:  # no callback meanwhile: did a command fail?
-                        self._check_failed(executors)
-                    try:
-                        os.eventfd_read(self._fd)
-                    except BlockingIOError:
-                        pass
+            try:
+                await self._pump_loop(executors, cancelled=False)
+            except trio.Cancelled:  # completions must still be seen: go on, shielded
+                with trio.CancelScope(shield=True):
+                    await self._pump_loop(executors, cancelled=True)
+                raise
         finally:
             self._pump_running = False
+
+    async def _pump_loop(self, executors: list[ClExecutor], *, cancelled: bool) -> None:
+        """Until every executor has stopped with nothing pending (cancelled: or was never
+        started, when the device was left while opening)."""
+        check = max(self.hang_limit / 3, 0.001) if not math.isinf(self.hang_limit) else 3600.0
+        while True:
+            self._drain(executors)
+            if self._lingering:
+                self._linger()
+            ended = all(e.finished or (cancelled and e.unused) for e in executors)
+            if ended and not self._lingering:
+                return
+            if self._hung and all(e.stopping for e in executors):
+                self._abandon(executors)
+                return
+            if self._lingering:  # a callback between its eventfd write and `done`
+                await trio.sleep(0.0002)
+                continue
+            with trio.move_on_after(check) as scope:
+                await trio.lowlevel.wait_readable(self._fd)
+            if scope.cancelled_caught:  # no callback meanwhile: did a command fail?
+                self._check_failed(executors)
+            try:
+                os.eventfd_read(self._fd)
+            except BlockingIOError:
+                pass
+
+    def _tidy(self, executor: ClExecutor) -> None:
+        """After an enqueue on the loop's thread (the device runs meanwhile): process the
+        segments the callback completed by itself, which did not wake the pump."""
+        pending = executor.pending
+        if pending and pending[0].words[runtime.FIRED] and threading.get_ident() == self._loop:
+            self._drain([executor])
 
     def _drain(self, executors: list[ClExecutor]) -> bool:
         """Process every fired segment, oldest first per queue; True if any was."""

@@ -110,6 +110,7 @@ class ClExecutor:
         self._on_fault = on_fault
         self._lock = threading.Lock()  # put() from two threads must not interleave runs
         self._stopping = False
+        self._started = False
         self._ordered = -1  # the last step the callback completes itself (see _native_stores)
         self._cl = runtime.cl()
         self._native = runtime.native()
@@ -117,13 +118,19 @@ class ClExecutor:
     # -- the Executor interface -------------------------------------------------------------
 
     def start(self) -> None:
-        pass
+        self._started = True
 
     def put(self, run: list[Any] | None) -> None:
         """Enqueue ``run`` now (never blocks); ``None``: stop once what was queued is done."""
         if run is None:
-            self._stopping = True
-            self.device._wake_pump()
+            with self._lock:
+                self._stopping = True
+                for seg in self.pending:  # every completion from now on wakes the pump
+                    seg.words[runtime.WAKE] = 1
+                idle = not self.pending
+            if idle and not self.exited.value:  # nothing to wait for (the pump may be gone)
+                self.exited._set_from_engine(1)
+            self.device._wake_pump()  # (a syscall: the stores above are seen before it)
             return
         with self._lock:
             try:
@@ -148,6 +155,11 @@ class ClExecutor:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def unused(self) -> bool:
+        """Never started (its actor was cancelled first) and nothing was put."""
+        return not self._started and not self.pending
 
     @property
     def finished(self) -> bool:
@@ -219,6 +231,7 @@ class ClExecutor:
         if books or keep:
             self._close(last, books, keep, what, traced, flows)
         self.queue.flush()
+        self.device._tidy(self)  # segments the callback finished without waking the pump
 
     def _close(
         self,
@@ -239,6 +252,8 @@ class ClExecutor:
             seg.traced, seg.flows = traced, flows
         elif books:
             seg.books = self._native_stores(books, words)
+            if not seg.books:  # all done by the callback: the pump may find it later
+                words[runtime.WAKE] = 0
         self.pending.append(seg)
         status = self._native.register(event, seg.address)
         if status != 0:

@@ -40,8 +40,8 @@ from hcqa.errors import InvalidCommand
 __all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
 
 WORDS = 16  # uint64 words per slot (see callback.c)
-FIRED, STATUS, FD, NSTORES, STORES, TL_FN, TL_ARG, TL_SEQ, HOST_NS, DONE = (
-    0, 1, 2, 3, 4, 10, 11, 12, 13, 15
+FIRED, STATUS, FD, NSTORES, STORES, TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE, DONE = (
+    0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15
 )
 MAX_STORES = 2
 CL_COMPLETE = 0
@@ -65,6 +65,7 @@ class ClHost(Protocol):
 
     def _fault(self, exc: BaseException) -> None: ...
     def _wake_pump(self) -> None: ...
+    def _tidy(self, executor: Any) -> None: ...
     def clock_offset_ns(self) -> int: ...
 
 
@@ -178,6 +179,7 @@ class SlotTable:
         words, address = self._free.pop()
         words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
         words[TL_FN] = 0
+        words[WAKE] = 1
         words[FD] = self.fd
         self.in_use += 1
         return words, address
