@@ -271,7 +271,7 @@ def _run_trace(args: argparse.Namespace) -> int:
         _out(f"regions: {names} (zoom on one with --region NAME)")
     if info.busy_share < SPARSE:
         _out(
-            f"the device queues were busy {100 * info.busy_share:.1f}% of the plotted "
+            f"the device queues were busy {_share(info.busy_share)} of the plotted "
             f"{info.window[1] - info.window[0]:.6g} ms: the work is in short bursts, too thin "
             "to see at this scale; zoom in with --from TIME --to TIME (as on the axis: "
             "--from 4.2s --to 4.5s) or --region NAME"
@@ -281,6 +281,10 @@ def _run_trace(args: argparse.Namespace) -> int:
 
 
 SPARSE = 0.05  # below this busy share of the plotted time, the plot says how to zoom in
+
+
+def _share(x: float) -> str:
+    return f"{100 * x:.1f}%" if x >= 0.001 else "under 0.1%"
 _PERFETTO = (
     "to zoom, pan and inspect every event: open {file} at https://ui.perfetto.dev ('Open trace "
     "file'; it is read in your browser, not uploaded)"
