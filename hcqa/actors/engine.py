@@ -181,12 +181,17 @@ class Engine:
             raise
         finally:
             if died is not None:
-                error = RuntimeError(f"engine thread {self.name!r} died: {died!r}")
-                error.__cause__ = died
-                self._on_fault(None, error)
-                self._dead = True
-                self._drain_dead()  # what was queued behind the fatal run
+                self._died(died)
             self.exited._set_from_engine(1)
+
+    def _died(self, died: BaseException) -> None:
+        """The thread dies of ``died`` (an error outside any handler): fault the device with
+        it, and skip what was queued behind the fatal run."""
+        error = RuntimeError(f"engine thread {self.name!r} died: {died!r}")
+        error.__cause__ = died
+        self._on_fault(None, error)
+        self._dead = True
+        self._drain_dead()
 
     def _execute(self, run: Iterable[Any], table: dict[type, Handler]) -> None:
         # Two commands skip the handler frame unless a tracer wraps the handlers: a

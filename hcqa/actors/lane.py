@@ -260,11 +260,7 @@ class LaneEngine(Engine):
             raise
         finally:
             if died is not None:
-                error = RuntimeError(f"engine thread {self.name!r} died: {died!r}")
-                error.__cause__ = died
-                self._on_fault(None, error)
-                self._dead = True
-                self._drain_dead()
+                self._died(died)
             self._skip_lane()  # waits for the lane thread to exit
             self.exited._set_from_engine(1)
 

@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from hcqa.serve.bodies import InputError, as_array, loads_json
 
-__all__ = ["InputError", "Shape", "from_json", "from_raw", "to_array"]
+__all__ = ["InputError", "Shape", "from_json", "from_raw", "json_kind", "to_array"]
 
 
 class Shape:
@@ -66,9 +66,7 @@ def from_json(body: bytes, shape: Shape) -> tuple[npt.NDArray[Any], bool]:
     thread for a large body and the event loop keeps running meanwhile."""
     doc = loads_json(body)
     if not isinstance(doc, dict):
-        raise InputError(
-            400, f'expected a JSON object {{"inputs": ...}} (got {_kind(doc, plural=False)})'
-        )
+        raise InputError(400, f'expected a JSON object {{"inputs": ...}} (got {json_kind(doc)})')
     if "inputs" not in doc:
         keys = ", ".join(repr(k) for k in list(doc)[:5]) or "no keys"
         raise InputError(400, f'expected a JSON object with an "inputs" key (got {keys})')
@@ -101,7 +99,8 @@ def to_array(inputs: Any, shape: Shape, where: str) -> tuple[npt.NDArray[Any], b
     return x, single
 
 
-def _kind(value: Any, *, plural: bool = True) -> str:
+def json_kind(value: Any) -> str:
+    """What a decoded JSON value is, for an error message: 'a list', 'null', 'a number'..."""
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, str):
@@ -130,7 +129,7 @@ def _check_nesting(inputs: Any, shape: Shape, depth: int, where: str) -> tuple[i
             break
         value = value[0]
     if len(dims) not in (depth, depth + 1) or 0 in dims:
-        got = f"shape {dims}" if dims else _kind(inputs, plural=False)
+        got = f"shape {dims}" if dims else json_kind(inputs)
         raise InputError(400, f"expected {shape.expected} (got {got})")
     ints_only = shape.dtype.kind in "iu"
     if not dims:  # a scalar sample
@@ -141,9 +140,7 @@ def _check_nesting(inputs: Any, shape: Shape, depth: int, where: str) -> tuple[i
         nxt: list[tuple[str, Any]] = []
         for path, v in level:
             if not isinstance(v, list):
-                raise InputError(
-                    400, f"expected {shape.expected} (got {_kind(v, plural=False)} at {path})"
-                )
+                raise InputError(400, f"expected {shape.expected} (got {json_kind(v)} at {path})")
             if len(v) != n:
                 raise InputError(
                     400,
@@ -166,6 +163,6 @@ def _check_leaf(leaf: Any, ints_only: bool, at: str) -> None:
     t = type(leaf)
     if t is int or (t is float and not ints_only):
         return
-    what = "a fraction" if t is float else _kind(leaf, plural=False)
+    what = "a fraction" if t is float else json_kind(leaf)
     need = "integers" if ints_only else "numbers"
     raise InputError(400, f"inputs must be {need} (got {what} at {at})")

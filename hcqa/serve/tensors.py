@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hcqa.serve.bodies import dumps_array, loads_json
-from hcqa.serve.inputs import InputError
+from hcqa.serve.inputs import InputError, json_kind
 
 __all__ = [
     "DATATYPES",
@@ -283,7 +283,7 @@ def _input(doc: Any, binary: bytes, spec: TensorSpec) -> tuple[npt.NDArray[Any],
 def _flatten(data: Any, shape: list[int], spec: TensorSpec, where: str) -> list[Any]:
     """``data`` as one flat list of checked elements: flat, or nested exactly as ``shape``."""
     if not isinstance(data, list):
-        raise InputError(400, f"{where}'data' must be a list (got {_kind(data)})")
+        raise InputError(400, f"{where}'data' must be a list (got {json_kind(data)})")
     kind = spec.dtype.kind
     if data and not isinstance(data[0], list):  # flat: the common case, checked in one pass
         _check_leaves(data, kind, where, "data")
@@ -293,7 +293,7 @@ def _flatten(data: Any, shape: list[int], spec: TensorSpec, where: str) -> list[
         nxt: list[Any] = []
         for i, v in enumerate(level):
             if not isinstance(v, list) or len(v) != n:
-                got = f"a list of {len(v)}" if isinstance(v, list) else _kind(v)
+                got = f"a list of {len(v)}" if isinstance(v, list) else json_kind(v)
                 raise InputError(
                     400,
                     f"{where}nested 'data' must have shape {shape} (got {got} at depth "
@@ -315,22 +315,8 @@ def _check_leaves(items: list[Any], kind: str, where: str, path: str) -> None:
     for i, v in enumerate(items):
         if type(v) not in ok:
             need = {"b": "true or false", "i": "integers", "u": "integers"}.get(kind, "numbers")
-            what = "a fraction" if type(v) is float else _kind(v)
+            what = "a fraction" if type(v) is float else json_kind(v)
             raise InputError(400, f"{where}{path} must be {need} (got {what} at element {i})")
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "a list"
-    if value is None:
-        return "null"
-    return "a number"
 
 
 def encode_response(
