@@ -220,6 +220,31 @@ class Timed:
     seq_label: str
     pipe_desc: str
 
+    @classmethod
+    def of(
+        cls,
+        runs: tuple[list[F32], list[F32], list[float], list[float]],
+        *,
+        pipe_label: str,
+        seq_label: str,
+        pipe_desc: str,
+    ) -> Timed:
+        """From what ``_timed`` returns: the totals, and each half's speedup."""
+        got, want, t_pipe, t_seq = runs
+        first, second = (
+            s / p if p > 0 else float("inf") for p, s in zip(t_pipe, t_seq, strict=True)
+        )
+        return cls(
+            got=got,
+            want=want,
+            t_pipe=sum(t_pipe),
+            t_seq=sum(t_seq),
+            halves=(first, second),
+            pipe_label=pipe_label,
+            seq_label=seq_label,
+            pipe_desc=pipe_desc,
+        )
+
 
 WARM_PASSES = 8  # at most, per side
 
@@ -275,11 +300,6 @@ async def _timed(
     return outs["pipeline"], outs["sequential"], secs["pipeline"], secs["sequential"]
 
 
-def _halves(t_pipe: list[float], t_seq: list[float]) -> tuple[float, float]:
-    first, second = (s / p if p > 0 else float("inf") for p, s in zip(t_pipe, t_seq, strict=True))
-    return first, second
-
-
 async def run_threads(
     spec: MlpSpec,
     path: str,
@@ -294,13 +314,9 @@ async def run_threads(
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
         names = ("pipeline", "1 device")
-        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
-    return Timed(
-        got=got,
-        want=want,
-        t_pipe=sum(t_pipe),
-        t_seq=sum(t_seq),
-        halves=_halves(t_pipe, t_seq),
+        runs = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
+    return Timed.of(
+        runs,
         pipe_label="pipeline, 2 devices",
         seq_label="sequential, 1 device",
         pipe_desc=repr(pipe),
@@ -337,14 +353,10 @@ async def run_processes(
         seq = hcqa.Pipeline([whole], in_shape=(b, h), depth=depth)
         async with open_process_pipeline(stages, in_shape=(b, h), depth=depth) as pipe:
             names = ("pipeline (processes)", "1 device")
-            got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
+            runs = await _timed(pipe, seq, xs, bar, warm, warm_seconds, names)
             pids = ", ".join(str(w.pid) for w in pipe.workers)
-    return Timed(
-        got=got,
-        want=want,
-        t_pipe=sum(t_pipe),
-        t_seq=sum(t_seq),
-        halves=_halves(t_pipe, t_seq),
+    return Timed.of(
+        runs,
         pipe_label="pipeline, 2 worker processes",
         seq_label="sequential, 1 device (cpu:0)",
         pipe_desc=f"2 worker processes (pids {pids})",

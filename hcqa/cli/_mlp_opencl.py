@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import hcqa
-from hcqa.cli._mlp import F32, Layout, MlpSpec, Timed, _halves, _timed, load_params
+from hcqa.cli._mlp import F32, Layout, MlpSpec, Timed, _timed, load_params
 
 if TYPE_CHECKING:
     from hcqa.cli._console import Bar
@@ -124,14 +124,10 @@ async def run_opencl(
     async with hcqa.open_devices(*specs) as (d0, d1):
         pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
         sides = ("pipeline (OpenCL)", "1 OpenCL device")
-        got, want, t_pipe, t_seq = await _timed(pipe, seq, xs, bar, warm, warm_seconds, sides)
+        runs = await _timed(pipe, seq, xs, bar, warm, warm_seconds, sides)
         names = (d0.name, d1.name)
-    return Timed(
-        got=got,
-        want=want,
-        t_pipe=sum(t_pipe),
-        t_seq=sum(t_seq),
-        halves=_halves(t_pipe, t_seq),
+    return Timed.of(
+        runs,
         pipe_label=f"pipeline, 2 OpenCL devices ({names[0]}, {names[1]})",
         seq_label=f"sequential, 1 OpenCL device ({names[0]})",
         pipe_desc=f"{spec.layers} OpenCL kernel stages, one per layer",
