@@ -175,6 +175,38 @@ def _lat(s: Series) -> list[str]:
     return [fmt_ns(s.p50), fmt_ns(s.mean), fmt_ns(s.p90)]
 
 
+def _against_pyopencl(
+    s: dict[str, Series],
+    *,
+    sec: str,
+    hcqa: str,
+    peer: str,
+    floor: str,
+    target: str,
+    about: str,
+    per: str = "",
+) -> tuple[list[list[str]], list[str]]:
+    """Rows and verdicts of a section that measured ``pyopencl`` and the numpy ``floor``, and
+    ``hcqa`` where an OpenCL device opened: hcqa <= 1.2x PyOpenCL, both against the floor."""
+    fl, cl = s["floor"], s["pyopencl"]
+    rows = [
+        [sec, peer, *_lat(cl), f"ref; {fmt_ratio(paired_ratio(cl, fl))} floor"],
+        [sec, floor, *_lat(fl), "ref"],
+    ]
+    if "hcqa" not in s:
+        return rows, [verdict(target, None, "no hcqa opencl device")]
+    h = s["hcqa"]
+    r = paired_ratio(h, cl)
+    rows.insert(
+        0, [sec, hcqa, *_lat(h), f"{fmt_ratio(r)} PyOpenCL; {fmt_ratio(paired_ratio(h, fl))} floor"]
+    )
+    return rows, [
+        verdict(target, r <= 1.2, f"{fmt_ratio(r)}: {fmt_ns(h.p50)} vs {fmt_ns(cl.p50)}"),
+        info(about, f"hcqa {fmt_ratio(paired_ratio(h, fl))}, PyOpenCL "
+             f"{fmt_ratio(paired_ratio(cl, fl))} ({fmt_ns(fl.p50)}{per})"),
+    ]  # fmt: skip
+
+
 async def launch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[str]], list[str]]:
     ints = np.zeros(16, np.int64)
     floor = NumpyFloor(lambda: np.add(ints, 1, out=ints))
@@ -192,34 +224,15 @@ async def launch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[st
         s = await interleave(ops, rounds=plan.rounds, per_round=plan.per_launch)
     finally:
         floor.close()
-    sec = "1 launch+await"
-    fl = s["floor"]
-    rows = [
-        [sec, "PyOpenCL `enqueue_nd_range_kernel(...).wait()` (blocks the loop)",
-         *_lat(s["pyopencl"]), f"ref; {fmt_ratio(paired_ratio(s['pyopencl'], fl))} floor"],
-        [sec, "floor: numpy thread (np.add, 16 ints) woken and waking by eventfd",
-         *_lat(fl), "ref"],
-    ]  # fmt: skip
-    name = "1a launch+await of a tiny kernel <= 1.2x PyOpenCL enqueue + event.wait() (paired)"
-    if dev is None:
-        return rows, [verdict(name, None, "no hcqa opencl device")]
-    h = s["hcqa"]
-    r = paired_ratio(h, s["pyopencl"])
-    rows.insert(
-        0,
-        [
-            sec,
-            "hcqa `await k(buf)` on opencl:0",
-            *_lat(h),
-            f"{fmt_ratio(r)} PyOpenCL; {fmt_ratio(paired_ratio(h, fl))} floor",
-        ],
+    return _against_pyopencl(
+        s,
+        sec="1 launch+await",
+        hcqa="hcqa `await k(buf)` on opencl:0",
+        peer="PyOpenCL `enqueue_nd_range_kernel(...).wait()` (blocks the loop)",
+        floor="floor: numpy thread (np.add, 16 ints) woken and waking by eventfd",
+        target="1a launch+await of a tiny kernel <= 1.2x PyOpenCL enqueue + event.wait() (paired)",
+        about="1 launch+await vs the numpy-thread floor",
     )
-    return rows, [
-        verdict(name, r <= 1.2, f"{fmt_ratio(r)}: {fmt_ns(h.p50)} vs {fmt_ns(s['pyopencl'].p50)}"),
-        info("1 launch+await vs the numpy-thread floor",
-             f"hcqa {fmt_ratio(paired_ratio(h, fl))}, PyOpenCL "
-             f"{fmt_ratio(paired_ratio(s['pyopencl'], fl))} ({fmt_ns(fl.p50)})"),
-    ]  # fmt: skip
 
 
 async def batch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[str]], list[str]]:
@@ -249,33 +262,16 @@ async def batch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[str
         s = await interleave(ops, rounds=plan.rounds, per_round=plan.per_batch, units=units)
     finally:
         floor.close()
-    sec = "2 100 kernels/submit"
-    fl = s["floor"]
-    rows = [
-        [sec, "PyOpenCL: 100 × `enqueue_nd_range_kernel`, wait on the last (per kernel)",
-         *_lat(s["pyopencl"]), f"ref; {fmt_ratio(paired_ratio(s['pyopencl'], fl))} floor"],
-        [sec, "floor: numpy thread runs 100 np.add per wake (per add)", *_lat(fl), "ref"],
-    ]  # fmt: skip
-    name = "2a 100 kernels per submit <= 1.2x a PyOpenCL enqueue loop (paired, per kernel)"
-    if dev is None:
-        return rows, [verdict(name, None, "no hcqa opencl device")]
-    h = s["hcqa"]
-    r = paired_ratio(h, s["pyopencl"])
-    rows.insert(
-        0,
-        [
-            sec,
-            "hcqa Queue of 100 × exec, `await q.submit()` (per kernel)",
-            *_lat(h),
-            f"{fmt_ratio(r)} PyOpenCL; {fmt_ratio(paired_ratio(h, fl))} floor",
-        ],
+    return _against_pyopencl(
+        s,
+        sec="2 100 kernels/submit",
+        hcqa="hcqa Queue of 100 × exec, `await q.submit()` (per kernel)",
+        peer="PyOpenCL: 100 × `enqueue_nd_range_kernel`, wait on the last (per kernel)",
+        floor="floor: numpy thread runs 100 np.add per wake (per add)",
+        target="2a 100 kernels per submit <= 1.2x a PyOpenCL enqueue loop (paired, per kernel)",
+        about="2 per kernel vs the numpy-thread floor",
+        per=" per np.add",
     )
-    return rows, [
-        verdict(name, r <= 1.2, f"{fmt_ratio(r)}: {fmt_ns(h.p50)} vs {fmt_ns(s['pyopencl'].p50)}"),
-        info("2 per kernel vs the numpy-thread floor",
-             f"hcqa {fmt_ratio(paired_ratio(h, fl))}, PyOpenCL "
-             f"{fmt_ratio(paired_ratio(s['pyopencl'], fl))} ({fmt_ns(fl.p50)} per np.add)"),
-    ]  # fmt: skip
 
 
 async def copy_section(
