@@ -32,6 +32,7 @@ The helpers at the top (``interleave``, ``Series``, the formatting) are shared w
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -45,7 +46,7 @@ import numpy as np
 import trio
 
 import hcqa
-from bench._util import markdown_table, percentile, print_footer, run_quick_cli
+from bench._util import EventfdFloor, markdown_table, percentile, print_footer, run_quick_cli
 
 # -- shared helpers (bench_graph imports these) -------------------------------------------
 
@@ -185,47 +186,6 @@ def header(title: str, quick: bool, peer_note: str) -> str:
 NOOP_C = "void noop(unsigned char *out) { (void)out; }\n"
 
 
-class EventfdFloor:
-    """The floor of one launch+await: a persistent thread, woken through an eventfd, runs
-    the C no-op and wakes the trio task through a second eventfd -- the two wake-ups any
-    launch needs, and nothing else (no queue, no bookkeeping, no error handling)."""
-
-    def __init__(self, cfn: Callable[[int], object], addr: int) -> None:
-        import os
-        import threading
-
-        self._go = os.eventfd(0, os.EFD_CLOEXEC)  # the thread blocks in read
-        self._done = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._stop = False
-
-        def worker() -> None:
-            while True:
-                os.eventfd_read(self._go)
-                if self._stop:
-                    return
-                cfn(addr)
-                os.eventfd_write(self._done, 1)
-
-        self._thread = threading.Thread(target=worker, name="bench floor", daemon=True)
-        self._thread.start()
-
-    async def launch(self) -> None:
-        import os
-
-        os.eventfd_write(self._go, 1)
-        await trio.lowlevel.wait_readable(self._done)
-        os.eventfd_read(self._done)
-
-    def close(self) -> None:
-        import os
-
-        self._stop = True
-        os.eventfd_write(self._go, 1)
-        self._thread.join()
-        os.close(self._go)
-        os.close(self._done)
-
-
 def noop(out: Any) -> None:
     """The Python kernel: does nothing to its 64-byte buffer."""
 
@@ -291,7 +251,7 @@ async def launch_section(
     async def hcqa_c_inline() -> None:
         await ec(ebuf)
 
-    floor = EventfdFloor(cfn, addr)
+    floor = EventfdFloor(functools.partial(cfn, addr))  # the C no-op
     ops: dict[str, AsyncOp] = {
         "hcqa py": hcqa_py,
         "to_thread py": thread_py,

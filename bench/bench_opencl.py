@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +44,7 @@ import numpy as np
 import trio
 
 import hcqa
-from bench._util import markdown_table, print_footer, run_quick_cli
+from bench._util import EventfdFloor, markdown_table, print_footer, run_quick_cli
 from bench.bench_devices import (
     AsyncOp,
     Series,
@@ -65,39 +64,6 @@ MiB = 1 << 20
 CL_SOURCE = """
 __kernel void inc(__global int *x) { x[0] += 1; }
 """
-
-
-class NumpyFloor:
-    """hcqa's numpy-thread floor: an eventfd wakes a persistent thread, which runs ``work``
-    and wakes the waiting task through a second eventfd."""
-
-    def __init__(self, work: Callable[[], object]) -> None:
-        self._go = os.eventfd(0, os.EFD_CLOEXEC)
-        self._done = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._stop = False
-
-        def worker() -> None:
-            while True:
-                os.eventfd_read(self._go)
-                if self._stop:
-                    return
-                work()
-                os.eventfd_write(self._done, 1)
-
-        self._thread = threading.Thread(target=worker, name="bench floor", daemon=True)
-        self._thread.start()
-
-    async def launch(self) -> None:
-        os.eventfd_write(self._go, 1)
-        await trio.lowlevel.wait_readable(self._done)
-        os.eventfd_read(self._done)
-
-    def close(self) -> None:
-        self._stop = True
-        os.eventfd_write(self._go, 1)
-        self._thread.join()
-        os.close(self._go)
-        os.close(self._done)
 
 
 class Peer:
@@ -209,7 +175,7 @@ def _against_pyopencl(
 
 async def launch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[str]], list[str]]:
     ints = np.zeros(16, np.int64)
-    floor = NumpyFloor(lambda: np.add(ints, 1, out=ints))
+    floor = EventfdFloor(lambda: np.add(ints, 1, out=ints))
     ops: dict[str, AsyncOp] = {"pyopencl": sync_op(peer.launch), "floor": floor.launch}
     if dev is not None:
         buf = dev.alloc(4)
@@ -243,7 +209,7 @@ async def batch_section(dev: Any, peer: Peer, plan: Plan) -> tuple[list[list[str
         for _ in range(n):
             np.add(ints, 1, out=ints)
 
-    floor = NumpyFloor(hundred_adds)
+    floor = EventfdFloor(hundred_adds)
     ops: dict[str, AsyncOp] = {"pyopencl": sync_op(peer.hundred), "floor": floor.launch}
     if dev is not None:
         buf = dev.alloc(4)
