@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import attrs
 
@@ -58,9 +58,11 @@ __all__ = [
     "Step",
     "Timestamp",
     "Wait",
+    "maker",
 ]
 
 Size3 = tuple[IntLike, IntLike, IntLike]
+T = TypeVar("T")
 
 
 @attrs.frozen(kw_only=True)
@@ -179,3 +181,21 @@ class Step:
 
 
 Command: TypeAlias = Wait | Signal | Timestamp | MemoryBarrier | Exec | Copy | Load | Step
+
+
+def maker(cls: type[T]) -> Callable[..., T]:
+    """A lean constructor of the frozen attrs class ``cls`` for the launch path: it takes
+    *every* field, positionally in field order, and sets each slot directly -- no keyword
+    parsing, no defaults, no post-init (the caller passes what ``__attrs_post_init__``
+    would derive). Setting a slot through its descriptor costs a third of the generated
+    ``__init__``'s ``object.__setattr__``; the instance is the same as one made by
+    ``cls(...)`` with the same values."""
+    names = [f.name for f in attrs.fields(cls)]  # type: ignore[arg-type]
+    slots = {f"_set_{n}": cls.__dict__[n].__set__ for n in names}  # slotted: descriptors
+    body = "".join(f"    _set_{n}(obj, {n})\n" for n in names)
+    src = f"def make({', '.join(names)}):\n    obj = _new(_cls)\n{body}    return obj\n"
+    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls, **slots}
+    exec(src, scope)  # generated from the field names, as attrs does
+    make: Callable[..., T] = scope["make"]
+    make.__qualname__ = f"{cls.__name__}.make"
+    return make

@@ -351,3 +351,25 @@ def test_a_timeline_closes_only_once_the_lane_completing_its_step_let_go() -> No
         env={**os.environ, "MALLOC_CHECK_": "3"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+async def test_a_resubmitted_python_command_is_encoded_once() -> None:
+    async with hcqa.open_device("cpu:0", inline_kernels=False) as d:
+        engine = d.compute.engine
+        assert isinstance(engine, LaneEngine)
+        log = d.alloc(shape=(64,), dtype="int32")
+        kp = d.program("logp", logp)
+        calls: list[Any] = []
+        encode = engine._encoders[cmd.Exec]
+
+        def counting(c: Any) -> Any:
+            calls.append(c)
+            return encode(c)
+
+        engine._encoders[cmd.Exec] = counting
+        q = d.compute_queue()
+        q.exec(kp, (log,), vals=(1,))
+        for _ in range(3):
+            await q.submit()
+        assert len(calls) == 1  # refused once: "needs Python" is kept on the command
+        assert _log(log) == [1, 1, 1]  # and it still runs, on the Python thread, each time

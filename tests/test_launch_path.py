@@ -559,3 +559,35 @@ def test_an_engine_without_native_calls_runs_every_exec_through_its_handler() ->
         assert seen == [e]  # the handler, never the direct call
     finally:
         engine.join()
+
+
+def test_a_lean_command_maker_builds_what_the_class_builds() -> None:
+    sig = Signal(name="maker")
+    try:
+        make = cmd.maker(cmd.Signal)
+        lean, full = make(sig, 7, None), cmd.Signal(signal=sig, value=7)
+        assert lean == full and type(lean) is cmd.Signal
+        assert [getattr(lean, f.name) for f in attrs.fields(cmd.Signal)] == [sig, 7, None]
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            lean.value = 8  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            make(sig, 7)  # every field, positionally: none is filled in
+    finally:
+        sig.close()
+
+
+async def test_a_repeat_call_makes_the_exec_a_first_call_makes() -> None:
+    async with hcqa.open_device("cpu:0") as d:
+        a = d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        py = d.program("py", lambda x: None)
+        for prog, vals in ((setv, (4,)), (py, ())):
+            await prog(a, vals=vals)
+            launch = prog._launch
+            assert launch is not None
+            first = prog.validate((a,), vals, (1, 1, 1), (1, 1, 1))
+            again = launch.exec_for(prog, (a,))
+            assert again == first
+            assert (again.args, again.inline, again.native) == (first.args, False, None)
+            # a C kernel's call is the timed one (the record's); a Python kernel has none
+            assert (again.call is None) == (first.call is None) == (prog is py)

@@ -15,6 +15,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
 from hcqa.errors import SignalTimeout
 
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from hcqa.signals import Signal
 
 __all__ = ["Fence"]
+
+_checkpoint = trio.lowlevel.checkpoint
+_in_trio_task = trio.lowlevel.in_trio_task
 
 
 @attrs.frozen(eq=False)
@@ -56,7 +60,10 @@ class Fence:
             raise
 
     def __await__(self) -> Generator[Any, None, None]:
-        """``await fence``: see :meth:`wait`."""
+        """``await fence``: see :meth:`wait`. A fence already reached, awaited from trio,
+        is exactly a checkpoint (what :meth:`wait` comes to), without wait's frames."""
+        if self.signal.value >= self.value and _in_trio_task():
+            return _checkpoint().__await__()
         return self.wait().__await__()
 
     def wait_sync(self, timeout: float | None = None) -> None:

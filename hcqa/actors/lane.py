@@ -21,8 +21,8 @@ copies, signals with peers in other processes or attached from another process, 
 run while a tracer records (the tracer wraps the Python handlers; the lane has none).
 
 Encoding is cached on the command (``command.native``: the record, the signal whose
-closing would make it invalid, what its addresses point into), so a built ``Queue``
-submitted again costs an attribute read per command. Records hold addresses: the
+closing would make it invalid, what its addresses point into; or "needs Python"), so a
+built ``Queue`` submitted again costs an attribute read per command. Records hold addresses: the
 commands stay referenced by ``_pending`` until the lane's done counter passes them
 (checked at the next ``put`` and at the end), and a signal a lane was handed that is
 closed meanwhile releases its slot and eventfd only once every lane has run past what
@@ -61,6 +61,10 @@ Native = tuple[bytes, Any, Any]
 Encoder = Callable[[Any], Native | None]
 
 _STOPPED = object()  # inbox marker: the lane was told to stop; skip what it left
+# ``command.native`` of a command an encoder refused: it needs Python (Python can run
+# every command, so a command that might later encode -- a signal that lost its peers --
+# only stays on the slower path). A resubmitted Python kernel costs no encoder call.
+_PYTHON: Any = ()
 _SIGNAL, _STAMP, _STEP = cmd.Signal, cmd.Timestamp, cmd.Step
 _pack = REC.pack
 _NOP = _pack(OP_NOP, 0, 0, 0, 0)
@@ -149,11 +153,15 @@ class LaneEngine(Engine):
                     enc = encoders.get(type(c))
                     nat = None if enc is None else enc(c)
                     if nat is None:
+                        if type(c) is not _STEP:
+                            object.__setattr__(c, "native", _PYTHON)
                         break
                     if nat[1] is not None:  # this lane may write the signal's slot
                         nat[1]._lanes.add(self._lane)
                     if type(c) is not _STEP:  # a step is made per submit: never reused
                         object.__setattr__(c, "native", nat)
+                elif nat is _PYTHON:
+                    break
                 elif nat[1] is not None and nat[1]._closed:
                     break  # a closed signal: Python's write is a no-op, keep it so
                 recs.append(nat[0])

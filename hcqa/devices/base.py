@@ -59,7 +59,7 @@ from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
 from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
-from hcqa.devices.capture import current_capture
+from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program
@@ -77,6 +77,11 @@ if TYPE_CHECKING:
     from hcqa.queue import Queue
 
 __all__ = ["Device", "DeviceStatistics"]
+
+# The two commands every batch ends with, made on the launch path (see ``cmd.maker``):
+# (signal, value, native) and (timeline, seq, native).
+_signal_command = cmd.maker(cmd.Signal)
+_step_command = cmd.maker(cmd.Step)
 
 
 @attrs.frozen(kw_only=True)
@@ -338,14 +343,15 @@ class Device(Faults):
         ``waits``: whether ``commands`` hold a Wait, when the caller knows.
 
         While a graph is being captured the batch is recorded instead."""
-        graph = current_capture()
+        graph = _capturing.get()
         if graph is not None:
             fence: Fence = graph._record(self, actor, commands, reads, writes, also)
             return fence
-        self._check_usable()
+        if self._closed or self._closing or self._error is not None:
+            self._check_usable()
         for other in also:
             other._check_usable()
-        if actor.full:
+        if actor.sent - actor.received >= actor.capacity:
             raise QueueFull(
                 f"{actor.name} queue is full ({actor.capacity} batches pending): "
                 "await submit_async() / the fences to apply backpressure"
@@ -361,11 +367,15 @@ class Device(Faults):
         if waits is not None:
             waits = waits or bool(batch)
         batch.extend(commands)
-        actor.value += 1
-        value = actor.value
-        batch.append(cmd.Signal(signal=actor.signal, value=value))
-        seq, steps = self._steps(also)
-        batch.extend(steps)
+        value = actor.value = actor.value + 1
+        batch.append(_signal_command(actor.signal, value, None))
+        timeline = self._timeline
+        if also:
+            seq, steps = self._steps(also)
+            batch.extend(steps)
+        else:
+            seq = timeline.reserve()
+            batch.append(_step_command(timeline, seq, None))
         if inline:
             actor.run_inline(batch)
         else:
@@ -376,13 +386,13 @@ class Device(Faults):
             hz = b._hazards
             hz.write = (actor, value)
             hz.reads.clear()
-        return self._timeline.fence(seq)
+        return timeline.fence(seq)
 
     def _steps(self, also: Iterable[Device]) -> tuple[int, list[cmd.Step]]:
         """A batch's last commands: the step it takes on this device's timeline (its
         ``seq``, reserved now) and one on each device in ``also``."""
         seq = self._timeline.reserve()
-        steps = [cmd.Step(timeline=self._timeline, seq=seq)]
+        steps = [_step_command(self._timeline, seq, None)]
         for other in also:
             steps.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
         return seq, steps

@@ -357,7 +357,16 @@ class Program:
         if launch is not None and launch.matches(bufs, vals, global_size, local_size):
             for b in bufs:  # the one check that can change between calls: freed, closed
                 b._check()
-            return self._enqueue(launch.exec_for(self, bufs), concrete=True)
+            # what _enqueue does for a checked, concrete Exec (its reads and writes known)
+            written, read = launch.access
+            device = self.device
+            return device._submit(
+                device.compute,
+                [launch.exec_for(self, bufs)],
+                reads=[bufs[i] for i in read] if read else (),
+                writes=[bufs[i] for i in written] if written else (),
+                waits=False,
+            )
         exec_ = self.validate(bufs, vals, global_size, local_size)
         self._launch = _Launch.of(exec_, vals, global_size, local_size)
         return self._enqueue(exec_)
@@ -428,7 +437,7 @@ class _Launch:
     the caller could change."""
 
     __slots__ = (
-        "args", "buffers", "caller", "global_in", "global_size", "held",
+        "access", "args", "buffers", "caller", "global_in", "global_size", "held",
         "local_in", "local_size", "penalty", "ready", "short", "vals",
     )  # fmt: skip
 
@@ -438,6 +447,8 @@ class _Launch:
         self.global_in, self.local_in = global_in, local_in
         self.global_size, self.local_size = exec_.global_size, exec_.local_size
         self.args = exec_.args
+        # (written, read) buffer positions (the program's, for this many buffers)
+        self.access = exec_.program.access(len(exec_.buffers))
         # A C kernel's repeat calls are timed (see ``_timed_call``): ``short`` counts the
         # calls in a row that took at most SHORT_CALL_NS; -1 once an inline call did not.
         self.ready = exec_.call
@@ -477,19 +488,19 @@ class _Launch:
         return all(type(v) is int and v == w for v, w in zip(vals, mine, strict=True))
 
     def exec_for(self, program: Program, bufs: tuple[Buffer, ...]) -> cmd.Exec:
-        short = self.short
-        exec_ = cmd.Exec(
-            program=program,
-            buffers=bufs,
-            vals=self.vals,
-            global_size=self.global_size,
-            local_size=self.local_size,
-            args=self.args,
-            inline=short >= INLINE_AFTER,
+        """The Exec of a repeat call: the checked one's fields, with its ready call timed
+        (``_timed_call``, a C kernel's; None for a Python kernel, as ``Exec`` derives it)."""
+        return _exec(
+            program,
+            bufs,
+            self.vals,
+            self.global_size,
+            self.local_size,
+            self.args,
+            None if self.ready is None else self._timed_call,
+            self.short >= INLINE_AFTER,
+            None,
         )
-        if self.ready is not None:
-            object.__setattr__(exec_, "call", self._timed_call)
-        return exec_
 
     def _timed_call(self) -> None:
         """The kernel's call, timed on whichever thread runs it. INLINE_AFTER short calls
@@ -515,6 +526,10 @@ class _Launch:
             self.short += 1
         elif self.short > 0:
             self.short = 0
+
+
+# (program, buffers, vals, global_size, local_size, args, call, inline, native)
+_exec = cmd.maker(cmd.Exec)
 
 
 def _held_call(ready: Callable[[], object]) -> Callable[[], object]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hcqa import commands as cmd
 from hcqa._native import lane as _lanes
 from hcqa._native.lane import library
 from hcqa.signals import Fence, Signal
@@ -34,6 +35,7 @@ from hcqa.signals import Fence, Signal
 __all__ = ["WRAP", "Timeline"]
 
 WRAP = 1 << 31
+_fence = cmd.maker(Fence)  # (signal, value, hang_limit, context, device)
 
 
 def _epoch(seq: int) -> int:
@@ -111,13 +113,11 @@ class Timeline:
         return seq
 
     def fence(self, seq: int) -> Fence:
-        return Fence(
-            self.signals[_epoch(seq) % 2],
-            _value(seq),
-            hang_limit=self._hang_limit,
-            context=self._context,
-            device=self._owner,
-        )
+        if 0 < seq <= WRAP:  # the first epoch (every launch path asks: keep it lean)
+            signal, value = self.signals[0], seq
+        else:
+            signal, value = self.signals[_epoch(seq) % 2], _value(seq)
+        return _fence(signal, value, self._hang_limit, self._context, self._owner)
 
     def give_back_foreign(self, seq: int) -> None:
         """Undo :meth:`take_foreign` (a record that was never queued)."""
