@@ -58,7 +58,6 @@ __all__ = [
     "Step",
     "Timestamp",
     "Wait",
-    "maker",
 ]
 
 Size3 = tuple[IntLike, IntLike, IntLike]

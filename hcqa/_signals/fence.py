@@ -60,8 +60,9 @@ class Fence:
             raise
 
     def __await__(self) -> Generator[Any, None, None]:
-        """``await fence``: see :meth:`wait`. A fence already reached, awaited from trio,
-        is exactly a checkpoint (what :meth:`wait` comes to), without wait's frames."""
+        """``await fence``: see :meth:`wait`."""
+        # A fence already reached, awaited from trio, is exactly a checkpoint (what wait
+        # comes to), without wait's frames.
         if self.signal.value >= self.value and _in_trio_task():
             return _checkpoint().__await__()
         return self.wait().__await__()
