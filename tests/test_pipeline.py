@@ -566,3 +566,33 @@ async def test_every_shape_is_an_int_or_a_sequence_of_ints() -> None:
     stage = hcqa.ProcessStage(fn="hcqa.workers:add_one", out_shape=[2, 2])
     specs, shape, _ = check_arguments([stage], in_shape=4, **options)
     assert shape == (4,) and specs[0].out_shape == (2, 2)
+
+
+async def _last_device_batches(host_visible: bool, n: int) -> tuple[int, int]:
+    """Batches submitted to cpu:1's (compute, copy) queues by ``n`` microbatches of a
+    2-stage pipeline cpu:0 -> cpu:1, results checked."""
+    async with hcqa.open_devices("cpu:0", "cpu:1", host_visible=host_visible) as (d0, d1):
+        pipe = Pipeline([(d0, add1), (d1, dbl)], in_shape=(4,), depth=2)
+        await pipe(xs_of(1)[0])  # warm-up: programs built, slots made
+
+        def counts() -> tuple[int, int]:
+            return d1.compute.statistics().submitted, d1.copy.statistics().submitted
+
+        before = counts()
+        xs = xs_of(n)
+        outs = [await pipe(x) for x in xs]
+        for x, out in zip(xs, outs, strict=True):
+            np.testing.assert_array_equal(out, (x + 1) * 2)
+        compute, copy = counts()
+        return compute - before[0], copy - before[1]
+
+
+async def test_output_leaves_on_the_last_stage_s_compute_queue() -> None:
+    """The copy-out runs right behind the last kernel on its compute queue (never behind the
+    next microbatch's incoming transfer on the copy engine); through the staging ring it
+    stays on the copy queue, that ring's one user."""
+    n = 5
+    visible = await _last_device_batches(True, n)
+    staged = await _last_device_batches(False, n)
+    # the same work on both, but each copy-out moved from the copy queue to the compute queue
+    assert visible == (staged[0] + n, staged[1] - n), (visible, staged)

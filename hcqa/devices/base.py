@@ -405,11 +405,21 @@ class Device(Faults):
         command = cmd.Copy(dest=buf, src=host, nbytes=buf.nbytes)
         return self._submit(self.copy, [command], writes=[buf])
 
-    def _copyout(self, buf: Buffer, dest: Any) -> Fence:
+    def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
+        """``on_compute``: on the compute queue (where ``copies_on_compute``), else on the
+        copy queue."""
         buf._check()
         host = host_ref(dest, buf, writable=True)
         command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
-        return self._submit(self.copy, [command], reads=[buf])
+        queue = self.compute if on_compute and self._copies_on_compute() else self.copy
+        return self._submit(queue, [command], reads=[buf])
+
+    def _copies_on_compute(self) -> bool:
+        """Whether the compute queue's executor also runs host copies (``Copy`` commands
+        between a buffer and a host array). A pipeline then copies its last stage's output
+        out right behind the kernel on that queue, instead of on the copy engine, where it
+        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``)."""
+        return False
 
     def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
         buf._check()

@@ -105,7 +105,7 @@ class CpuDevice(Device):
 
     def _encoders(self, kind: str) -> dict[type, Encoder]:
         if kind == "compute":
-            return {cmd.Exec: _encode_exec, RunC: _encode_run}
+            return {cmd.Exec: _encode_exec, RunC: _encode_run, cmd.Copy: self._encode_copy}
         return {cmd.Copy: self._encode_copy}
 
     def _encode_copy(self, c: Any) -> tuple[bytes, None, None] | None:
@@ -115,8 +115,8 @@ class CpuDevice(Device):
         return REC.pack(OP_COPY, c.dest.va_addr, c.src.va_addr, n, 0), None, None
 
     def _handlers(self, kind: str) -> dict[type, Callable[[Any], None]]:
-        if kind == "compute":
-            return {cmd.Exec: self._exec, RunC: RunC.__call__}
+        if kind == "compute":  # plain copies too: see _copies_on_compute
+            return {cmd.Exec: self._exec, RunC: RunC.__call__, cmd.Copy: self._copy_plain}
         return {cmd.Copy: self._copy, cmd.Load: self._load_file}
 
     def _make_program(
@@ -194,6 +194,18 @@ class CpuDevice(Device):
         self._through_staging(
             c.dest.va_addr, n, lambda chunk, offset, size: _memmove(chunk, src + offset, size)
         )
+
+    def _copies_on_compute(self) -> bool:
+        return self.host_visible  # the staging ring has the copy engine as its one user
+
+    def _copy_plain(self, c: Any) -> None:
+        """A copy on the compute queue: never through the staging ring."""
+        if self._staged(c.src) or self._staged(c.dest):
+            raise InvalidCommand(
+                f"{self.name}: a copy through the staging ring must run on the copy queue "
+                "(got one on the compute queue)"
+            )
+        _memmove(c.dest.va_addr, c.src.va_addr, c.nbytes)
 
     def _through_staging(
         self, dest: int, nbytes: int, fill: Callable[[int, int, int], object]

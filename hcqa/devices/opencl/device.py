@@ -108,6 +108,9 @@ class OpenCLDevice(Device):
             capacity=capacity, name=self.name, context=self.context, align=self._align
         )
 
+    def _copies_on_compute(self) -> bool:
+        return True  # every command queue takes every verb
+
     def _executor(self, kind: str) -> ClExecutor:
         return ClExecutor(
             self,
