@@ -16,9 +16,10 @@ of ``batch_size x hidden``, BLAS held to one thread everywhere.
   the same batches run in one worker, then split in halves across both:
   ``S_ctrl = t(1 process) / t(2 processes)``.
 
-Target: ``S_hcqa / S_ctrl >= 0.85``. The four measurements are interleaved round by round, in
-an order that flips every round, so a change in the host's load hits both sides; the speedups
-are ratios of the summed times over all rounds.
+Target: ``S_hcqa / S_ctrl >= 0.95``. The four measurements are interleaved round by round, in
+an order that flips every round, so a change in the host's load hits both sides; the verdict
+is the median of the per-round ratios (a round that another process disturbed moves it
+little), and the table's speedups are ratios of the summed times over all rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +52,7 @@ from hcqa.cli.demo import (
     save_weights,
 )
 
-TARGET = 0.85
+TARGET = 0.95
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Plan:
     rounds: int
 
 
-FULL = Plan(MlpSpec(batches=32, batch_size=256, hidden=1024), rounds=3)
+FULL = Plan(MlpSpec(batches=32, batch_size=256, hidden=1024), rounds=5)
 QUICK = Plan(MlpSpec(batches=8, batch_size=64, hidden=256), rounds=2)
 
 
@@ -171,11 +173,10 @@ def rows(quick: bool = False) -> list[dict[str, str]]:
     total = {k: sum(r[k] for r in rounds) for k in rounds[0]}
     s_hcqa = total["seq"] / total["pipe"]
     s_ctrl = total["ctrl1"] / total["ctrl2"]
-    ratio = s_hcqa / s_ctrl
     n = plan.spec.batches * plan.rounds
-    per_round = ", ".join(
-        f"{(r['seq'] / r['pipe']) / (r['ctrl1'] / r['ctrl2']):.2f}" for r in rounds
-    )
+    ratios = [(r["seq"] / r["pipe"]) / (r["ctrl1"] / r["ctrl2"]) for r in rounds]
+    ratio = statistics.median(ratios)
+    per_round = ", ".join(f"{x:.2f}" for x in ratios)
     met = "met" if ratio >= TARGET else "MISSED"
     if quick:
         met += " (quick: sizes too small to judge)"
@@ -194,7 +195,7 @@ def rows(quick: bool = False) -> list[dict[str, str]]:
         },
         {
             "case": "S_hcqa / S_ctrl",
-            "speedup": f"{ratio:.2f} (rounds: {per_round})",
+            "speedup": f"median {ratio:.2f} (rounds: {per_round}; pooled {s_hcqa / s_ctrl:.2f})",
             "target": f">= {TARGET}",
             "verdict": met,
         },
