@@ -46,7 +46,6 @@ import ctypes
 import mmap
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +64,6 @@ __all__ = ["ClExecutor", "Segment"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
-_ENQUEUED = (_EXEC, _COPY, _LOAD)
 _ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 
@@ -114,6 +112,8 @@ class ClExecutor:
         self._ordered = -1  # the last step the callback completes itself (see _native_stores)
         self._cl = runtime.cl()
         self._native = runtime.native()
+        self._low = self._cl._cl  # the driver calls themselves (PyOpenCL's native module)
+        self._launch = self._low.enqueue_nd_range_kernel
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -181,32 +181,43 @@ class ClExecutor:
         keep: list[Any] = []
         last: Any = None
         what = ""
+        queue, launch = self.queue, self._launch
         for i, c in enumerate(run):
-            error = self.error
-            if error is not None:
-                self._skip(run[i:], error)
+            if self.error is not None:
+                self._skip(run[i:], self.error)
                 break
             kind = type(c)
-            if kind in _ENQUEUED:
+            if kind is _EXEC or kind is _COPY or kind is _LOAD:
                 if books:
                     self._close(last, books, keep, what, traced, flows)
                     books, keep, last = [], [], None
                     traced, flows = ([] if traced is not None else None), None
                 try:
-                    last = self._enqueue(c, keep)
+                    if kind is _EXEC:  # the hot path: a launch record and one driver call
+                        rec = c.native
+                        if rec is None:
+                            rec = c.program.record(c)
+                            object.__setattr__(c, "native", rec)
+                        args, prog = rec[3], c.program
+                        if args is not prog.cl_args and args != prog.cl_args:
+                            prog.set_args(args)
+                        last = launch(queue, rec[0], rec[1], rec[2])
+                        keep += (c, last)
+                    else:
+                        last = self._enqueue(c, keep)
+                        keep.append(last)  # PoCL touches failed events' successors: keep all
                 except BaseException as exc:
                     self._on_fault(c, exc)
                     self._skip(run[i:], self.error)
                     keep = []
                     break
-                keep.append(last)  # PoCL touches failed events' successors: keep every event
                 if traced is not None:
                     traced.append((c, last))
                 if not what:
                     what = _describe(c)
-                for s in starts:
-                    books.append(("stamp", s, last, True))
-                starts = []
+                if starts:
+                    books.extend(("stamp", s, last, True) for s in starts)
+                    starts = []
             elif kind is _SIGNAL or kind is _STEP:
                 if starts:  # no command follows them first: they stamp this segment's end
                     books.extend(("stamp", s, None, False) for s in starts)
@@ -244,7 +255,7 @@ class ClExecutor:
     ) -> None:
         """End a segment at ``event`` (a marker when None) and register its callback."""
         if event is None:
-            event = self._cl.enqueue_marker(self.queue)
+            event = self._low._enqueue_marker(self.queue)
             what = what or "marker"
         seg = Segment(event, books, keep, what)
         seg.words, seg.address = words, _ = self.device._slots.take()
@@ -311,54 +322,38 @@ class ClExecutor:
             self.queue.flush()
 
     def _enqueue(self, c: Any, keep: list[Any]) -> Any:
-        kind = type(c)
-        cl = self._cl
-        if kind is _EXEC:
-            keep.append(c)
-            prog = c.program
-            if prog.last_exec() is not c:  # a resubmitted command: its arguments are set
-                prog.set_args(c.buffers, c.vals)
-                prog.last_exec = weakref.ref(c)
-            g, n = c.global_size, c.local_size
-            size = (g[0] * n[0], g[1] * n[1], g[2] * n[2])  # HCQ counts work-groups
-            return cl.enqueue_nd_range_kernel(self.queue, prog.cl_kernel, size, n)
-        if kind is _COPY:
-            keep.append(c)
+        """A copy or a load: its driver command's event (``keep`` gets what it touches)."""
+        keep.append(c)
+        if type(c) is _COPY:
             return self._copy(c.dest, c.src, c.nbytes, keep)
-        if kind is _LOAD:
-            keep.append(c)
-            return self._load(c, keep)
-        raise TypeError(f"{self.name} can't enqueue {kind.__name__}")
+        return self._load(c, keep)
 
     def _copy(self, dest: Any, src: Any, n: int, keep: list[Any]) -> Any:
-        cl = self._cl
+        """The driver's own entry points, not ``pyopencl.enqueue_copy`` (which dispatches on
+        its arguments' types in Python first): a host end is a non-blocking write or read."""
+        low = self._low
         d_mem, s_mem = _device_memory(dest), _device_memory(src)
         if d_mem is not None and s_mem is not None:
             if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
                 if dest.offset == src.offset:
-                    return cl.enqueue_marker(self.queue)  # a copy onto itself: nothing to move
-                bounce = cl.Buffer(self.device.context, cl.mem_flags.READ_WRITE, n)
+                    return low._enqueue_marker(self.queue)  # a copy onto itself: nothing to move
+                bounce = self._cl.Buffer(self.device.context, self._cl.mem_flags.READ_WRITE, n)
                 keep.append(bounce)
-                cl.enqueue_copy(
-                    self.queue, bounce, s_mem.clbuf, byte_count=n, src_offset=src.offset
+                low._enqueue_copy_buffer(self.queue, s_mem.clbuf, bounce, n, src.offset, 0, None)
+                return low._enqueue_copy_buffer(
+                    self.queue, bounce, d_mem.clbuf, n, 0, dest.offset, None
                 )
-                return cl.enqueue_copy(
-                    self.queue, d_mem.clbuf, bounce, byte_count=n, dst_offset=dest.offset
-                )
-            return cl.enqueue_copy(
-                self.queue, d_mem.clbuf, s_mem.clbuf, byte_count=n,
-                src_offset=src.offset, dst_offset=dest.offset,
-            )  # fmt: skip
+            return low._enqueue_copy_buffer(
+                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, None
+            )
         if d_mem is not None:
             host = _host_array(src, n)
-            nanny = cl.enqueue_copy(
-                self.queue, d_mem.clbuf, host, dst_offset=dest.offset, is_blocking=False
+            nanny = low._enqueue_write_buffer(
+                self.queue, d_mem.clbuf, host, dest.offset, None, False
             )
         elif s_mem is not None:
             host = _host_array(dest, n)
-            nanny = cl.enqueue_copy(
-                self.queue, host, s_mem.clbuf, src_offset=src.offset, is_blocking=False
-            )
+            nanny = low._enqueue_read_buffer(self.queue, s_mem.clbuf, host, src.offset, None, False)
         else:
             raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
         keep.append(host)
@@ -378,8 +373,8 @@ class ClExecutor:
         finally:
             os.close(fd)
         host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
-        nanny = self._cl.enqueue_copy(
-            self.queue, mem.clbuf, host, dst_offset=c.dest.offset, is_blocking=False
+        nanny = self._low._enqueue_write_buffer(
+            self.queue, mem.clbuf, host, c.dest.offset, None, False
         )
         keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
         return nanny

@@ -18,13 +18,17 @@ Geometry is HCQ's: ``global_size`` counts work-groups and ``local_size`` work-it
 group; the driver gets NDRange ``global_size * local_size`` with ``local_size``, so every
 group is full (``get_num_groups`` = ``global_size``).
 
-Arguments are set on the kernel object only when they changed since its last launch (OpenCL
-captures them at each enqueue), so a repeated call sets nothing.
+Launch records: the first time the executor enqueues an ``Exec`` it keeps on the command
+(``Exec.native``) what the driver call needs -- the kernel, the NDRange, the local size and
+the kernel arguments (OpenCL memory objects, then the vals) -- so a resubmitted command costs
+one driver call. Arguments are set on the kernel object only when they differ from those of
+its last launch (OpenCL captures them at each enqueue): a queue of launches with the same
+arguments sets them once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -48,10 +52,6 @@ _SCALARS = {
     "size_t": np.uint64, "ptrdiff_t": np.int64, "intptr_t": np.int64, "uintptr_t": np.uint64,
 }  # fmt: skip
 _LOG_LIMIT = 4000
-
-
-def _nothing() -> None:
-    return None
 
 
 def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -> None:
@@ -144,9 +144,8 @@ class ClProgram(Program):
         self._n_args = None
         self.writes = None if writes is None else self._positions("writes", writes)
         self.reads = None if reads is None else self._positions("reads", reads)
-        self._set: list[Any] = [None] * (self.n_buffers + self.n_vals)
-        # the Exec whose arguments the kernel holds now (a resubmitted one sets none)
-        self.last_exec: Callable[[], object] = _nothing
+        # the arguments the kernel holds now (set by the last launch record enqueued)
+        self.cl_args: tuple[Any, ...] = ()
 
     def validate(
         self,
@@ -168,16 +167,19 @@ class ClProgram(Program):
                 buf._mem.arg(buf.offset, buf.nbytes)  # type: ignore[attr-defined]  # misaligned?
         return exec_
 
-    def set_args(self, buffers: Sequence[Buffer], vals: Sequence[int]) -> None:
-        """Set the kernel's arguments that differ from its last launch (executor only)."""
-        done, kernel = self._set, self.cl_kernel
-        for i, b in enumerate(buffers):
-            arg = b._mem.arg(b.offset, b.nbytes)  # type: ignore[attr-defined]
-            if done[i] is not arg:
-                kernel.set_arg(i, arg)
-                done[i] = arg
-        base = len(buffers)
-        for j, v in enumerate(vals):
-            if done[base + j] != v or done[base + j] is None:
-                kernel.set_arg(base + j, self._types[j](v))
-                done[base + j] = v
+    def record(self, c: cmd.Exec) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+        """The launch record of ``c`` (executor only): (kernel, NDRange, local size, args)."""
+        g, n = c.global_size, c.local_size
+        size = (int(g[0]) * int(n[0]), int(g[1]) * int(n[1]), int(g[2]) * int(n[2]))
+        bufs = tuple(b._mem.arg(b.offset, b.nbytes) for b in c.buffers)  # type: ignore[attr-defined]
+        args = bufs + tuple(int(v) for v in c.vals)  # type: ignore[call-overload]
+        return (self.cl_kernel, size, (int(n[0]), int(n[1]), int(n[2])), args)
+
+    def set_args(self, args: tuple[Any, ...]) -> None:
+        """Make ``args`` the kernel's arguments, setting those that differ (executor only)."""
+        now, kernel = self.cl_args, self.cl_kernel
+        base = self.n_buffers
+        for i, a in enumerate(args):
+            if i >= len(now) or now[i] is not a and now[i] != a:
+                kernel.set_arg(i, a if i < base else self._types[i - base](a))
+        self.cl_args = args
