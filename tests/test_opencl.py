@@ -39,6 +39,11 @@ __kernel void geometry(__global int *out) {
     }
 }
 __kernel void inc(__global int *y) { y[get_global_id(0)] += 1; }
+__kernel void spin(__global int *y, int n) {
+    int acc = y[0];
+    for (int i = 0; i < n; i++) acc = acc * 1103515245 + 12345;
+    y[1] = acc;
+}
 __kernel void wide(__global long *y, long v, uchar u) { y[0] = v; y[1] = u; }
 """
 
@@ -101,6 +106,48 @@ async def test_copies_and_saxpy_against_numpy() -> None:
         assert np.frombuffer(back, np.int64).tolist() == [-(2**40), 255]
         with pytest.raises(hcqa.InvalidCommand, match=r"must be in \[0, 255\]"):
             w(raw, vals=(1, 256))
+
+
+async def test_launches_in_one_submit_each_get_their_own_arguments() -> None:
+    """Consecutive launches of one kernel in one batch, resubmitted: each launch runs with
+    its own buffers and vals (arguments are set only where they differ from the kernel's)."""
+    n = 64
+    async with hcqa.open_device("opencl:0") as g:
+        a = g.alloc(shape=(n,), dtype="float32")
+        b = g.alloc(shape=(n,), dtype="float32")
+        big = g.alloc(shape=(2 * n,), dtype="float32")
+        x = g.alloc(shape=(n,), dtype="float32")
+        for buf in (a, b, big):
+            await buf.copyin(np.zeros(buf.shape, np.float32))
+        await x.copyin(np.ones(n, np.float32))
+        k = g.program("saxpy", SOURCE)
+        tail = big.view(n * 4, n * 4, dtype="float32")  # a sub-buffer at 256 bytes
+        q = g.compute_queue()
+        geo = {"global_size": (n // 16, 1, 1), "local_size": (16, 1, 1)}
+        for y, m in ((a, 1), (a, 1), (b, 2), (a, 3), (tail, 5), (tail, 5), (b, 7)):
+            q.exec(k, (y, x), vals=(n, m), **geo)
+        await q.submit()
+        await q.submit()  # the same launches again, from their records
+        await k(a, x, vals=(n, 100), **geo)  # a new launch after them: its own arguments
+        np.testing.assert_array_equal(await _read(a), np.full(n, 2 * (1 + 1 + 3) + 100))
+        np.testing.assert_array_equal(await _read(b), np.full(n, 2 * (2 + 7)))
+        whole = await _read(big)
+        np.testing.assert_array_equal(whole[:n], 0)
+        np.testing.assert_array_equal(whole[n:], 2 * (5 + 5))
+
+
+async def test_a_timestamp_before_launches_takes_the_first_ones_start() -> None:
+    """A timestamp before consecutive launches is the time the first one started: the run
+    timestamp, spin, inc, timestamp spans the spin."""
+    async with hcqa.open_device("opencl:0") as g:
+        y = g.alloc(shape=(2,), dtype="int32")
+        await y.copyin(np.zeros(2, np.int32))
+        spin, inc = g.program("spin", SOURCE), g.program("inc", SOURCE)
+        secs = await spin.timed(y, vals=(1 << 21,))
+        t0, t1 = hcqa.Signal(), hcqa.Signal()
+        q = g.compute_queue().timestamp(t0).exec(spin, (y,), vals=(1 << 21,)).exec(inc, (y,))
+        await q.timestamp(t1).submit()
+        assert t1.timestamp - t0.timestamp >= 0.5 * secs * 1e6
 
 
 async def test_geometry_counts_work_groups() -> None:

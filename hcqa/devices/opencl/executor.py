@@ -182,7 +182,10 @@ class ClExecutor:
         last: Any = None
         what = ""
         queue, launch = self.queue, self._launch
-        for i, c in enumerate(run):
+        n = len(run)
+        i = 0
+        while i < n:
+            c = run[i]
             if self.error is not None:
                 self._skip(run[i:], self.error)
                 break
@@ -192,32 +195,44 @@ class ClExecutor:
                     self._close(last, books, keep, what, traced, flows)
                     books, keep, last = [], [], None
                     traced, flows = ([] if traced is not None else None), None
+                if not keep:
+                    keep.append(run)  # the commands (their buffers) until the segment completes
+                first, mark = c, len(keep)
                 try:
-                    if kind is _EXEC:  # the hot path: a launch record and one driver call
-                        rec = c.native
-                        if rec is None:
-                            rec = c.program.record(c)
-                            object.__setattr__(c, "native", rec)
-                        args, prog = rec[3], c.program
-                        if args is not prog.cl_args and args != prog.cl_args:
-                            prog.set_args(args)
-                        last = launch(queue, rec[0], rec[1], rec[2])
-                        keep += (c, last)
-                    else:
+                    if kind is not _EXEC:
                         last = self._enqueue(c, keep)
                         keep.append(last)  # PoCL touches failed events' successors: keep all
+                        mark = len(keep) - 1
+                        if traced is not None:
+                            traced.append((c, last))
+                    else:  # the hot path: consecutive launches, one driver call each
+                        while True:
+                            rec = c.native
+                            if rec is None:
+                                rec = c.program.record(c)
+                                object.__setattr__(c, "native", rec)
+                            if rec[3] is not c.program.cl_args:
+                                c.program.set_args(rec[3])
+                            last = launch(queue, rec[0], rec[1], rec[2])
+                            keep.append(last)
+                            if traced is not None:
+                                traced.append((c, last))
+                            if i + 1 == n or type(run[i + 1]) is not _EXEC:
+                                break
+                            i += 1
+                            c = run[i]
                 except BaseException as exc:
                     self._on_fault(c, exc)
                     self._skip(run[i:], self.error)
                     keep = []
                     break
-                if traced is not None:
-                    traced.append((c, last))
+                i += 1
                 if not what:
-                    what = _describe(c)
-                if starts:
-                    books.extend(("stamp", s, last, True) for s in starts)
+                    what = _describe(first)
+                if starts:  # they take the START of the first command after them
+                    books.extend(("stamp", s, keep[mark], True) for s in starts)
                     starts = []
+                continue
             elif kind is _SIGNAL or kind is _STEP:
                 if starts:  # no command follows them first: they stamp this segment's end
                     books.extend(("stamp", s, None, False) for s in starts)
@@ -231,13 +246,12 @@ class ClExecutor:
                     starts.append(c.signal)
                 else:
                     books.append(("stamp", c.signal, None, False))
-            elif kind is _BARRIER:
-                pass  # an in-order queue orders memory at command boundaries
-            else:
+            elif kind is not _BARRIER:  # (an in-order queue orders memory at command ends)
                 unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
                 self._on_fault(c, unknown)
                 self._skip(run[i:], self.error)
                 break
+            i += 1
         books.extend(("stamp", s, None, False) for s in starts)
         if books or keep:
             self._close(last, books, keep, what, traced, flows)
@@ -323,8 +337,8 @@ class ClExecutor:
 
     def _enqueue(self, c: Any, keep: list[Any]) -> Any:
         """A copy or a load: its driver command's event (``keep`` gets what it touches)."""
-        keep.append(c)
-        if type(c) is _COPY:
+        kind = type(c)
+        if kind is _COPY:
             return self._copy(c.dest, c.src, c.nbytes, keep)
         return self._load(c, keep)
 

@@ -169,17 +169,21 @@ class ClProgram(Program):
 
     def record(self, c: cmd.Exec) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
         """The launch record of ``c`` (executor only): (kernel, NDRange, local size, args)."""
-        g, n = c.global_size, c.local_size
-        size = (int(g[0]) * int(n[0]), int(g[1]) * int(n[1]), int(g[2]) * int(n[2]))
-        bufs = tuple(b._mem.arg(b.offset, b.nbytes) for b in c.buffers)  # type: ignore[attr-defined]
-        args = bufs + tuple(int(v) for v in c.vals)  # type: ignore[call-overload]
-        return (self.cl_kernel, size, (int(n[0]), int(n[1]), int(n[2])), args)
+        g = cast("tuple[int, int, int]", c.global_size)  # concrete by the time it runs
+        n = cast("tuple[int, int, int]", c.local_size)
+        size = (g[0] * n[0], g[1] * n[1], g[2] * n[2])
+        bufs = cast("tuple[Buffer, ...]", c.buffers)
+        mems = tuple(b._mem.arg(b.offset, b.nbytes) for b in bufs)  # type: ignore[attr-defined]
+        args = mems + cast("tuple[int, ...]", c.vals)
+        if args == self.cl_args:  # one tuple for equal arguments: the executor checks identity
+            args = self.cl_args
+        return (self.cl_kernel, size, n, args)
 
     def set_args(self, args: tuple[Any, ...]) -> None:
         """Make ``args`` the kernel's arguments, setting those that differ (executor only)."""
         now, kernel = self.cl_args, self.cl_kernel
-        base = self.n_buffers
+        base = len(args) - len(self._types)
         for i, a in enumerate(args):
-            if i >= len(now) or now[i] is not a and now[i] != a:
+            if i >= len(now) or (now[i] is not a and now[i] != a):
                 kernel.set_arg(i, a if i < base else self._types[i - base](a))
         self.cl_args = args
