@@ -23,6 +23,7 @@ import hcqa
 import hcqa.testing as ht
 from hcqa import DeviceFault, Signal
 from hcqa import commands as cmd
+from hcqa._native.lane import library
 from hcqa._signals.rereader import watch
 from hcqa.actors.engine import Engine
 from hcqa.devices.cpu import INLINE_COPY_MAX, CpuDevice
@@ -591,3 +592,17 @@ async def test_a_repeat_call_makes_the_exec_a_first_call_makes() -> None:
             assert (again.args, again.inline, again.native) == (first.args, False, None)
             # a C kernel's call is the timed one (the record's); a Python kernel has none
             assert (again.call is None) == (first.call is None) == (prog is py)
+        # Once a repeat call went through the native lane, the next ones carry its record
+        # (C) or its "needs Python" (Python), and still run every time.
+        for prog, vals in ((setv, (4,)), (py, ())):
+            await prog(a, vals=vals)
+            launch = prog._launch
+            assert launch is not None
+            if library() is not None:
+                assert launch.native is not None
+            assert launch.exec_for(prog, (a,)).native is launch.native
+        a.numpy_view()[0] = 0
+        for _ in range(3):
+            await setv(a, vals=(4,))
+            assert a.numpy_view()[0] == 4
+            a.numpy_view()[0] = 0

@@ -360,13 +360,17 @@ class Program:
             # what _enqueue does for a checked, concrete Exec (its reads and writes known)
             written, read = launch.access
             device = self.device
-            return device._submit(
+            exec_ = launch.exec_for(self, bufs)
+            fence = device._submit(
                 device.compute,
-                [launch.exec_for(self, bufs)],
+                [exec_],
                 reads=[bufs[i] for i in read] if read else (),
                 writes=[bufs[i] for i in written] if written else (),
                 waits=False,
             )
+            if launch.native is None:  # what the executor cached on the first repeat
+                launch.native = exec_.native
+            return fence
         exec_ = self.validate(bufs, vals, global_size, local_size)
         self._launch = _Launch.of(exec_, vals, global_size, local_size)
         return self._enqueue(exec_)
@@ -438,7 +442,7 @@ class _Launch:
 
     __slots__ = (
         "access", "args", "buffers", "caller", "global_in", "global_size", "held",
-        "local_in", "local_size", "penalty", "ready", "short", "vals",
+        "local_in", "local_size", "native", "penalty", "ready", "short", "vals",
     )  # fmt: skip
 
     def __init__(self, exec_: cmd.Exec, global_in: object, local_in: object) -> None:
@@ -455,6 +459,9 @@ class _Launch:
         self.short = 0
         self.penalty = 1
         self.held: Callable[[], object] | None = None  # ready, but keeping the GIL
+        # What an executor cached on a repeat call's Exec (``Exec.native``: a native
+        # lane's record of this very call, which holds no buffer): the next ones carry it.
+        self.native: Any = None
         self.caller = threading.get_ident()  # the thread that runs inline calls
 
     @classmethod
@@ -489,7 +496,8 @@ class _Launch:
 
     def exec_for(self, program: Program, bufs: tuple[Buffer, ...]) -> cmd.Exec:
         """The Exec of a repeat call: the checked one's fields, with its ready call timed
-        (``_timed_call``, a C kernel's; None for a Python kernel, as ``Exec`` derives it)."""
+        (``_timed_call``, a C kernel's; None for a Python kernel, as ``Exec`` derives it)
+        and what the executor cached on an earlier repeat (``native``)."""
         return _exec(
             program,
             bufs,
@@ -499,7 +507,7 @@ class _Launch:
             self.args,
             None if self.ready is None else self._timed_call,
             self.short >= INLINE_AFTER,
-            None,
+            self.native,
         )
 
     def _timed_call(self) -> None:
