@@ -178,6 +178,7 @@ class Signal(ParkingLot):
         # that knows every producer writes the eventfd after the value (another hcqa
         # process through ``add_peer``, say) clears it and waits with no timer at all.
         self._rereads = True
+        self._soon = False  # see ParkingLot._wait_limited
         self._broken: BaseException | None = None
         self._closed = False
         # Engine writes hold the lock close() takes (see _set_from_engine). A device

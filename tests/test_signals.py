@@ -1434,3 +1434,50 @@ async def test_owner_of_a_signal_whose_producers_write_the_eventfd_joins_no_rere
     assert rereader.watched == {}
     idle(quiet)
     idle(plain)
+
+
+async def test_a_wait_whose_last_was_quick_yields_first_and_parks_only_if_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait on a signal whose previous wait was over before it slept (a native producer
+    faster than the caller's way to sleep) takes its checkpoint first: a value written
+    meanwhile ends it without parking; else it parks, and the next wait parks at once."""
+    s = Signal(name="soon")
+    claims: list[int] = []
+    claim = s._claim
+
+    def counting(waiter: object) -> bool:
+        claims.append(1)
+        return claim(waiter)  # type: ignore[arg-type]
+
+    s._claim = counting  # type: ignore[method-assign]
+    checkpoint = trio.lowlevel.checkpoint
+    during: list[int] = []  # a value to write while the waiter is at its checkpoint
+
+    async def writing_checkpoint() -> None:
+        while during:
+            s.value = during.pop()
+        await checkpoint()
+
+    monkeypatch.setattr(trio.lowlevel, "checkpoint", writing_checkpoint)
+    try:
+        assert s._soon is False  # a new signal parks at once
+        s._soon = True
+        during.append(1)
+        with assert_checkpoints():
+            await Fence(s, 1, hang_limit=TIMEOUT)
+        assert claims == [] and s._soon  # over at the checkpoint: never listed
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.wait, 2)
+            await wait_all_tasks_blocked()
+            assert claims == [1]  # not over at the checkpoint: it parked
+            s.value = 2
+        assert not s._soon  # it slept: the next wait parks at once
+        with trio.CancelScope() as scope:
+            s._soon = True
+            scope.cancel()
+            with pytest.raises(trio.Cancelled):
+                await s.wait(3)  # the checkpoint first is a cancel point
+        assert claims == [1]
+    finally:
+        s.close()

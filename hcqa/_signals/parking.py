@@ -18,6 +18,11 @@ Two lean paths skip the parking set-up where the caller knows it is alone:
 ``_wait_sole`` (a process pipeline's caller, a trio task) and ``_wait_alone`` (a
 worker's stage thread); both fall back to the full loop when someone else is there.
 
+A trio wait on a signal whose previous trio wait was over before it slept (a native
+producer that finishes while the caller is on its way to sleep: a C kernel on a native
+lane) takes its checkpoint first and parks only if the value is still short; a wait that
+sleeps clears that mark, so a slow producer's waiters park at once again (``_soon``).
+
 A trio owner joins its run's re-reader (``_signals/rereader.py``) unless the signal says every
 producer writes the eventfd (``_rereads``); a thread owner re-reads on its ``poll``
 timeout. Hang limits are timed by the re-reader too (``_expire``).
@@ -72,6 +77,7 @@ class ParkingLot:
     _alone: bool
     _wake_at: Any  # ctypes.c_uint64 over the slot's wake word (None: not ours to keep)
     _rereads: bool
+    _soon: bool  # the last trio wait was over before it slept (see _wait_limited)
     _broken: BaseException | None
     _closed: bool
 
@@ -141,8 +147,10 @@ class ParkingLot:
         if wake_at is not None:
             if self._alone:
                 wake_at.value = 0
+            elif not self._waiters:
+                wake_at.value = _MAX
             else:
-                wake_at.value = min((w.target for w in self._waiters), default=_MAX)
+                wake_at.value = min([w.target for w in self._waiters])
 
     def _drain(self) -> None:
         """Owner only: consume the eventfd and wake the parked waiters that are done."""
@@ -191,7 +199,12 @@ class ParkingLot:
         if self.value >= target:
             await trio.lowlevel.checkpoint()
             return
-        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._soon:  # the last wait was over before it slept: the checkpoint first
+            await trio.lowlevel.checkpoint()
+            if self.value >= target:
+                return
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         if hang_limit is None or math.isinf(hang_limit):
             await self._park(target, observe)
         elif not await self._park(target, observe, hang_limit):
@@ -223,14 +236,15 @@ class ParkingLot:
             self._raise_broken(observe)
         rereader = watch()
         waiter = Waiter(target, task=trio.lowlevel.current_task(), token=rereader.token)
-        yielded = False
-        if hang_limit is not None:
-            rereader.time(waiter, self, hang_limit)
+        yielded = timed = False
         try:
             while True:
                 owner = self._claim(waiter)  # listed before the value is read
                 if self._outcome(target) or waiter.expired:
                     break
+                if hang_limit is not None and not timed:  # timed from its first sleep
+                    rereader.time(waiter, self, hang_limit)
+                    timed = True
                 yielded = True
                 if owner:  # an owner stays one until it leaves: drain until done
                     await self._own(target, waiter, rereader if self._rereads else None)
@@ -241,9 +255,10 @@ class ParkingLot:
                 finally:
                     waiter.parked = False
         finally:
-            if hang_limit is not None:
+            if timed:
                 rereader.untime(waiter)
             self._unregister(waiter)
+        self._soon = not yielded
         if not yielded:  # reached between the caller's check and ours: still schedule
             await trio.lowlevel.cancel_shielded_checkpoint()
         if self.value >= target:
