@@ -27,9 +27,11 @@ What is measured (all rows interleaved round by round in a rotating order; quote
 round by round in a rotating order, a 200-kernel C graph (``k(out, a, n)`` chained over 201
 buffers): replayed with constants; with one Variable in every launch whose value changes each
 replay; with that value unchanged; and the constant graph with two buffers (its input and its
-output) rebound every replay. Both the whole replay (``await g(...)``) and the submit alone
-(``g.submit(...)``, its fence awaited outside the timing) are reported. Targets: changing ≤
-1.5x constants, unchanged ≤ 1.1x, rebinding two buffers ≤ 1.2x the same replay without.
+output) rebound every replay; and the same chain of 200 Python kernels (no-ops), with
+constants and with the changing Variable. Both the whole replay (``await g(...)``) and the
+submit alone (``g.submit(...)``, its fence awaited outside the timing) are reported.
+Targets: changing ≤ 1.5x constants (C and Python kernels), unchanged ≤ 1.1x, rebinding two
+buffers ≤ 1.2x the same replay without.
 """
 
 from __future__ import annotations
@@ -271,6 +273,10 @@ void k(float *out, const float *a, int n) { out[0] = a[0] + (float)(n & 1); }
 PATCH_KERNELS = 200
 
 
+def _patch_py(out: Any, a: Any, n: int) -> None:
+    """The Python kernel of the patching graphs: a no-op over its buffers and value."""
+
+
 async def patching(quick: bool) -> None:
     """Symbolic and rebinding replays against the constant replay (see doc)."""
     import statistics
@@ -280,6 +286,7 @@ async def patching(quick: bool) -> None:
     n = hcqa.Variable("n", 0, 1 << 30)
     async with hcqa.open_device("cpu:0") as d:
         prog = d.program("k", PATCH_SRC)
+        py = d.program("k_py", _patch_py)
         bufs = [d.alloc(shape=(16,), dtype="float32") for _ in range(PATCH_KERNELS + 1)]
         x2, out2 = d.alloc(shape=(16,), dtype="float32"), d.alloc(shape=(16,), dtype="float32")
         with hcqa.capture() as g_sym:
@@ -296,6 +303,12 @@ async def patching(quick: bool) -> None:
         with hcqa.capture() as g_const:
             for i in range(PATCH_KERNELS):
                 prog(bufs[i + 1], bufs[i], vals=(3,))
+        with hcqa.capture() as g_py_sym:
+            for i in range(PATCH_KERNELS):
+                py(bufs[i + 1], bufs[i], vals=(n,))
+        with hcqa.capture() as g_py_const:
+            for i in range(PATCH_KERNELS):
+                py(bufs[i + 1], bufs[i], vals=(3,))
         rebind = {bufs[0]: x2, bufs[PATCH_KERNELS]: out2}
         k = 0
 
@@ -313,6 +326,10 @@ async def patching(quick: bool) -> None:
 
         cases = {"constants": const, "variable, changing": changing}
         cases |= {"variable, unchanged": same, "constants, 2 buffers rebound": rebound}
+        cases |= {
+            "python: constants": g_py_const.submit,
+            "python: variable, changing": lambda: g_py_sym.submit(n=k),
+        }
         cases |= {
             "queue: constants": q_const.submit,
             "queue: variable, changing": lambda: q_sym.submit({n: k}),
@@ -338,7 +355,7 @@ async def patching(quick: bool) -> None:
     s50 = {c: statistics.median(v) for c, v in submit.items()}
     rows = []
     for c in cases:
-        base = "queue: constants" if c.startswith("queue") else "constants"
+        base = c.split(":")[0] + ": constants" if ":" in c else "constants"
         cells = [f"{p50[c]:.1f}", f"{p50[c] / p50[base]:.2f}x", f"{s50[c]:.1f}"]
         rows.append([c, *cells, f"{s50[c] / s50[base]:.2f}x"])
     print(header("bench_graph --patching", quick, f"{PATCH_KERNELS} C kernels, {rounds} rounds"))
@@ -354,9 +371,13 @@ async def patching(quick: bool) -> None:
             rows,
         )
     )
-    ratio = {c: p50[c] / p50["constants"] for c in cases if not c.startswith("queue")}
+    ratio = {c: p50[c] / p50["constants"] for c in cases if ":" not in c}
+    ratio["python: variable, changing"] = (
+        p50["python: variable, changing"] / p50["python: constants"]
+    )
     targets = [
         ("variable, changing", 1.5),
+        ("python: variable, changing", 1.5),
         ("variable, unchanged", 1.1),
         ("constants, 2 buffers rebound", 1.2),
     ]
