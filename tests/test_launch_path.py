@@ -606,3 +606,16 @@ async def test_a_repeat_call_makes_the_exec_a_first_call_makes() -> None:
             await setv(a, vals=(4,))
             assert a.numpy_view()[0] == 4
             a.numpy_view()[0] = 0
+
+
+async def test_a_launch_record_keeps_no_executor_record_that_may_hold_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(CpuDevice, "shares_native", False)  # as a device whose records do
+    async with hcqa.open_device("cpu:0") as d:
+        a = d.alloc(8)
+        setv = d.program("setv", SETV_C, entry="setv")
+        for _ in range(3):
+            await setv(a, vals=(4,))
+        assert setv._launch is not None and setv._launch.native is None
+        assert a.numpy_view()[0] == 4

@@ -112,6 +112,11 @@ class Device(Faults):
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
     host_memory: ClassVar[bool] = True
+    # True where what the executor caches on an Exec (``Exec.native``) describes the call
+    # alone and holds no memory (the cpu lane's records): a program's launch record then
+    # hands it to its repeat calls (``program._Launch``), which a record keeping memory
+    # objects alive must not.
+    shares_native: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -368,7 +368,7 @@ class Program:
                 writes=[bufs[i] for i in written] if written else (),
                 waits=False,
             )
-            if launch.native is None:  # what the executor cached on the first repeat
+            if launch.native is None and device.shares_native:  # cached by the executor
                 launch.native = exec_.native
             return fence
         exec_ = self.validate(bufs, vals, global_size, local_size)

@@ -82,6 +82,7 @@ class CpuDevice(Device):
 
     kind = "cpu"
     native_runner = True  # graphs may fuse runs of C kernels into one native call
+    shares_native = True  # a lane record is the call's bytes: no memory held
 
     def __init__(self, name: str, **options: Any) -> None:
         self.staging = StagingRing(name=name)
