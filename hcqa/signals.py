@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import stat
 import threading
 import time
@@ -57,6 +58,18 @@ __all__ = ["Fence", "Signal", "SignalStatistics"]
 
 
 _counter = iter(range(1, 2**62))
+
+# Where releasing a lock is not a full memory barrier, a waiter that lowered its slot's
+# wake word fences before it reads the value again (see ParkingLot._rearm).
+_WEAK_ORDER = platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686", "x86"}
+
+
+def _full_fence() -> Any:
+    """The native full barrier, or None without the native library (then no native
+    producer reads the wake word: there is nothing to order)."""
+    lib = _lanes.library()
+    return None if lib is None else lib.full_fence
+
 
 # Once the process has forked, waiters may live in another process that this one
 # cannot see: from then on every write of a value also writes the eventfd. The
@@ -165,6 +178,8 @@ class Signal(ParkingLot):
         if owned:
             self._wake_at = ctypes.c_uint64.from_address(addr + 16)
             self._wake_at.value = 2**64 - 1
+            if _WEAK_ORDER:
+                self._fence = _full_fence()
         self._lanes: set[int] = set()  # native lanes handed a record on this slot
         self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._peers: list[int] = []

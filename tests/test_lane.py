@@ -373,3 +373,39 @@ async def test_a_resubmitted_python_command_is_encoded_once() -> None:
             await q.submit()
         assert len(calls) == 1  # refused once: "needs Python" is kept on the command
         assert _log(log) == [1, 1, 1]  # and it still runs, on the Python thread, each time
+
+
+async def test_weakly_ordered_hosts_fence_between_wake_word_and_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a lock's release is no full barrier (ARM, POWER), a waiter that lowered its
+    slot's wake word fences natively before it reads the value again: signals made then
+    carry the fence, every lowering calls it, and waits on lane-written values still end."""
+    import hcqa.signals as signals
+
+    lib = library()
+    assert lib is not None
+    calls = 0
+
+    def fence() -> None:
+        nonlocal calls
+        calls += 1
+        lib.full_fence()
+
+    monkeypatch.setattr(signals, "_WEAK_ORDER", True)
+    monkeypatch.setattr(signals, "_full_fence", lambda: fence)
+    async with hcqa.open_device("cpu:0") as d:
+        prog = d.program("inc", "void inc(long *x) { x[0] += 1; }")
+        buf = d.alloc(shape=(1,), dtype="int64")
+        await buf.copyin(np.zeros(1, np.int64))
+        for _ in range(50):
+            await prog(buf)
+        out = np.empty(1, np.int64)
+        await buf.copyout(out)
+    assert out[0] == 50
+    assert calls > 0  # the timeline fences' waits lowered the wake word
+    plain = Signal()  # a signal of the user's carries it too
+    try:
+        assert plain._fence is fence
+    finally:
+        plain.close()

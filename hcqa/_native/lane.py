@@ -71,6 +71,7 @@ class Native:
         if held("hcqa_rec_size", _INT)() != REC.size:
             raise RuntimeError("native lane: record size mismatch")
         self.note_fork = held("hcqa_note_fork", None)
+        self.full_fence = held("hcqa_full_fence", None)
         self.tl_new = held("hcqa_tl_new", _P, _U64, _P, _INT, _P, _INT, _P, _INT)
         self.tl_free = held("hcqa_tl_free", None, _P)
         self.tl_done = held("hcqa_tl_done", _U64, _P)

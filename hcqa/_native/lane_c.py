@@ -44,6 +44,9 @@ typedef struct { int64_t op, a, b, c, d; } rec_t;
 void hcqa_lane_abi(void) {}
 int hcqa_rec_size(void) { return (int)sizeof(rec_t); }
 void hcqa_note_fork(void) { atomic_store(&hcqa_forked, 1); }
+/* A full barrier: a waiter that listed its target in the wake word must not read the value
+   before that store is visible (x86's locked instructions give this already). */
+void hcqa_full_fence(void) { atomic_thread_fence(memory_order_seq_cst); }
 
 /* -- the timeline: steps completed in any order, the signal shows the completed prefix -- */
 

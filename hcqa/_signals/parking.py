@@ -76,6 +76,9 @@ class ParkingLot:
     _poller: Any
     _alone: bool
     _wake_at: Any  # ctypes.c_uint64 over the slot's wake word (None: not ours to keep)
+    # A full memory barrier, called after a waiter lowered the wake word and before it reads
+    # the value again; None where the lock's release already is one (x86). See _rearm.
+    _fence: Any = None
     _rereads: bool
     _soon: bool  # the last trio wait was over before it slept (see _wait_limited)
     _broken: BaseException | None
@@ -109,6 +112,8 @@ class ParkingLot:
             wake_at = self._wake_at
             if wake_at is not None and waiter.target < wake_at.value:
                 wake_at.value = waiter.target  # native producers look here (see _rearm)
+                if self._fence is not None:
+                    self._fence()
             if self._owner is None:
                 self._owner = waiter
             if self._owner is waiter:
@@ -142,7 +147,13 @@ class ParkingLot:
         lowest target still listed (0 while a thread waits alone: every write; 2**64-1
         for nobody). Native producers (C lanes, driver callbacks) store the value, then
         read this word, and write the eventfd only when the value reaches it -- the rule
-        :meth:`Signal._set_from_engine` applies with the waiter list."""
+        :meth:`Signal._set_from_engine` applies with the waiter list.
+
+        Both sides store, then load the other's word (Dekker's pattern): the producer's
+        store and load are sequentially consistent in C; a waiter lowers the word under
+        the lock and reads the value after releasing it, which on x86 is a locked
+        instruction, a full barrier. Elsewhere (ARM, POWER: a release is not one) the
+        waiter calls ``_fence``, a C ``atomic_thread_fence(seq_cst)``, in between."""
         wake_at = self._wake_at
         if wake_at is not None:
             if self._alone:
@@ -289,6 +300,8 @@ class ParkingLot:
                 self._owner = waiter
                 if self._wake_at is not None and target < self._wake_at.value:
                     self._wake_at.value = target
+                    if self._fence is not None:
+                        self._fence()
         if not owner:  # a thread took it in between
             await self._wait_limited(target, None, "")
             return
