@@ -408,7 +408,7 @@ class Device(Faults):
         buf._check()
         host = host_ref(src, buf, writable=False)
         command = cmd.Copy(dest=buf, src=host, nbytes=buf.nbytes)
-        return self._submit(self.copy, [command], writes=[buf])
+        return self._submit(self.copy, [command], writes=[buf], waits=False)
 
     def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
         """``on_compute``: on the compute queue (where ``copies_on_compute``), else on the
@@ -417,7 +417,7 @@ class Device(Faults):
         host = host_ref(dest, buf, writable=True)
         command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
         queue = self.compute if on_compute and self._copies_on_compute() else self.copy
-        return self._submit(queue, [command], reads=[buf])
+        return self._submit(queue, [command], reads=[buf], waits=False)
 
     def _copies_on_compute(self) -> bool:
         """Whether the compute queue's executor also runs host copies (``Copy`` commands

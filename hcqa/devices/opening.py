@@ -242,4 +242,6 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     other = src.device if device is dest.device else dest.device
     also = (other,) if other is not device else ()
     command = cmd.Copy(dest=dest, src=src, nbytes=dest.nbytes)
-    return device._submit(device.copy, [command], reads=[src], writes=[dest], also=also)
+    return device._submit(
+        device.copy, [command], reads=[src], writes=[dest], also=also, waits=False
+    )

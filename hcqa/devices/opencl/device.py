@@ -207,6 +207,9 @@ class OpenCLDevice(Device):
                 continue
             with trio.move_on_after(check) as scope:
                 await trio.lowlevel.wait_readable(self._fd)
+                # the tasks the same callback woke (a fence's waiter) go first: our work
+                # (another device's step, bookkeeping) is not what they wait for
+                await trio.lowlevel.cancel_shielded_checkpoint()
             if scope.cancelled_caught:  # no callback meanwhile: did a command fail?
                 self._check_failed(executors)
             try:
