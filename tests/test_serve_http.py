@@ -221,6 +221,11 @@ async def test_expect_100_continue_and_head() -> None:
         (b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
         (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
         (b"GET /echo HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        # refused as soon as seen, not after the head timeout: a bare LF (the head would
+        # never end with CRLF CRLF), and HTTP/0.9 (a request line alone, no version)
+        (b"GET /echo HTTP/1.1\n\n", 400),
+        (b"GET /echo HTTP/1.1\r\nHost: x\n\n", 400),
+        (b"GET /echo\r\n", 400),
     ],
 )
 async def test_malformed_requests_are_refused_and_the_connection_closes(

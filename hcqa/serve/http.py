@@ -42,6 +42,7 @@ from __future__ import annotations
 import email.utils
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -203,6 +204,7 @@ class _Connection:
                     return head
                 if len(self.buf) > _MAX_HEAD:
                     raise _BadRequest(431, "request head larger than 64 KiB")
+                _check_partial_head(self.buf)
                 if self.eof:
                     return None
                 await self._fill()
@@ -281,6 +283,22 @@ class _Connection:
             await self.stream.send_all(head + body)
         except _GONE:
             pass
+
+
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+
+
+def _check_partial_head(buf: bytearray) -> None:
+    """Refuse a head that can never end well before waiting for the rest of it: a line
+    ended by a bare LF (the head would never end with CRLF CRLF) or a complete request
+    line without a version (HTTP/0.9, whose client waits for an answer, not a 408)."""
+    if _BARE_LF.search(buf, 0, _MAX_HEAD) is not None:
+        raise _BadRequest(400, "the lines of a request head must end with CRLF (got a bare LF)")
+    end = buf.find(b"\r\n", 0, _MAX_HEAD)
+    if end >= 0:
+        parts = bytes(buf[:end]).split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            raise _BadRequest(400, "malformed request line")
 
 
 class _Request:
