@@ -5,6 +5,7 @@ Results are checked against numpy."""
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import threading
@@ -321,6 +322,27 @@ async def test_failed_command_without_callback_is_found_by_the_hang_check() -> N
         assert time.monotonic() - t0 < 1.0  # before the hang limit's SignalTimeout
         assert marker.command_execution_status < 0
     # closing returned: nothing waited for the callback that never comes
+
+
+async def test_a_run_of_launches_behind_a_failed_command_faults_without_a_crash() -> None:
+    """The driver fails every launch of a batch behind a failed command: the device faults
+    and the process lives on (PoCL 3 aborts when it marks a released event failed, so the
+    executor keeps every launch's event until its segment completes)."""
+    async with hcqa.open_device("opencl:0", hang_limit=1.0) as g:
+        y = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        await k(y)
+        gate = cl.UserEvent(g.context)
+        marker = cl.enqueue_marker(g.compute.engine.queue, wait_for=[gate])
+        q = g.compute_queue()
+        for _ in range(20):
+            q.exec(k, (y,))
+        fence = q.submit()
+        gc.collect()  # (what the executor dropped would be released now)
+        gate.set_status(-1)
+        with pytest.raises(hcqa.DeviceFault, match="driver reported execution status -1"):
+            await fence
+        assert marker.command_execution_status < 0
 
 
 async def test_close_waits_for_callbacks_and_leaks_nothing(fd_count: Any) -> None:
