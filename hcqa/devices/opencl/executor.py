@@ -9,8 +9,13 @@ queue's own in-order ``cl.CommandQueue`` (profiling on): ``Exec`` is
 ``clEnqueueNDRangeKernel`` with NDRange ``global * local`` (hcqa counts work-groups),
 ``Copy`` a buffer copy, write or read, ``Load`` a write from the file mapped into memory (the
 driver's thread takes the page faults). Each of these calls returns in microseconds; nothing
-here waits for the device. ``Wait`` never reaches an executor: the queue actor awaits it on the
-loop and only then hands over what follows (host gating).
+here waits for the device. Consecutive launches go through one tight loop: each ``Exec`` keeps
+its launch record (``ClProgram.record``) on the command, so a resubmitted one is a single
+driver call; the copies call PyOpenCL's native entry points directly. Every command's event is
+kept until its segment completes: PoCL 3 aborts the process when it marks an event the
+application already released as failed (a command behind one the driver failed). ``Wait``
+never reaches an executor: the queue actor awaits it on the loop and only then hands over what
+follows (host gating).
 
 What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
 collected into a *segment* that ends at the last driver command before it (or at a marker,
