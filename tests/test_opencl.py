@@ -267,6 +267,49 @@ async def test_transfers_between_all_kinds_of_pairs(tmp_path: Path) -> None:
         np.testing.assert_array_equal(await _read(x1), a)
 
 
+async def test_a_transfer_between_two_opencl_devices_completes_in_the_callback() -> None:
+    """Both devices' steps of a transfer are completed by the driver's callback (the pump is
+    not woken), and the source device, opened in an inner block, closes once it is done."""
+    n = 1 << 16
+    a = np.arange(n, dtype=np.float32)
+    async with hcqa.open_device("opencl:0") as g1:
+        y1 = g1.alloc(shape=(n,), dtype="float32")
+        async with hcqa.open_device("opencl:0") as g0:
+            x0 = g0.alloc(shape=(n,), dtype="float32")
+            await x0.copyin(a)
+            tl = g0._timeline
+            for _ in range(3):
+                await hcqa.transfer(y1, x0)
+                seg = g1.copy.engine.pending[-1] if g1.copy.engine.pending else None
+                assert seg is None or (not seg.books and seg.words[runtime.WAKE] == 0)
+            with trio.fail_after(5):
+                await tl.foreign_done.wait(tl.foreign_reserved)
+        # g0 closed (it waited for its last foreign step): g1 goes on
+        np.testing.assert_array_equal(await _read(y1), a)
+
+
+async def test_a_failed_transfer_between_two_opencl_devices_lets_the_source_close() -> None:
+    """A transfer the driver failed never calls back (PoCL 3): the destination faults once
+    its hang check finds it, and completes the source's step, so the source still closes."""
+    n = 1024
+    async with hcqa.open_device("opencl:0", hang_limit=1.0) as g1:
+        y1 = g1.alloc(shape=(n,), dtype="float32")
+        t0 = time.monotonic()
+        async with hcqa.open_device("opencl:0", hang_limit=5.0) as g0:
+            x0 = g0.alloc(shape=(n,), dtype="float32")
+            await x0.copyin(np.ones(n, np.float32))
+            gate = cl.UserEvent(g1.context)
+            marker = cl.enqueue_marker(g1.copy.engine.queue, wait_for=[gate])  # kept: see above
+            fence = hcqa.transfer(y1, x0)
+            gate.set_status(-1)
+            with pytest.raises(hcqa.DeviceFault, match="driver reported execution status -1"):
+                await fence
+            assert marker.command_execution_status < 0
+        assert time.monotonic() - t0 < 4.0  # the source did not wait out its hang limit
+        assert not g0._hung
+    # g1 closes faulted (its error was observed above)
+
+
 async def test_timing_from_profiling_counters() -> None:
     async with hcqa.open_device("opencl:0") as g:
         n = 1 << 16

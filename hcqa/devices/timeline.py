@@ -157,12 +157,15 @@ class Timeline:
         stores the foreign count (which lets the owner close) before it lets go of the C
         timeline and writes the eventfd."""
         self._closed = True
-        for s in (*self.signals, self.foreign_done):
-            s._lanes |= self._lanes  # their slots' release waits for those lanes too
-            s.close()
         if self.c_address is not None:
+            # Freed first: tl_free takes the timeline's mutex, so another device's callback
+            # completing our last foreign step (an OpenCL device's) has made its stores and
+            # eventfd writes before our signals close.
             assert self._native is not None
             free, address = self._native.tl_free, self.c_address
             self.c_address = None
             if not (self._lanes and _lanes.defer(lambda: free(address), self._lanes)):
                 free(address)
+        for s in (*self.signals, self.foreign_done):
+            s._lanes |= self._lanes  # their slots' release waits for those lanes too
+            s.close()

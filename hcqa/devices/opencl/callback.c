@@ -1,7 +1,7 @@
 /* The OpenCL completion callback (registered with clSetEventCallback for CL_COMPLETE).
  *
  * It runs on a driver thread (or at once in the registering thread when the event is already
- * complete), never takes the GIL and never calls OpenCL. Its user data is one slot of 16 uint64
+ * complete), never takes the GIL and never calls OpenCL. Its user data is one slot of 20 uint64
  * words owned by the device:
  *
  *   [0] fired      set to 1 once the event completed (release: the stores before it are seen)
@@ -12,16 +12,19 @@
  *   [10] complete  a timeline's C completion, ``int fn(timeline, seq, foreign)`` (0: none)
  *   [11] timeline  its first argument (the device's C timeline)
  *   [12] seq       the step to complete, after the stores
- *   [14] wake      1: write ``fd`` (the pump has work); 0: the pump finds the slot later
  *   [13] host_ns   CLOCK_MONOTONIC when the callback ran (the device clock's offset is measured
  *                  from it and the event's profiling END)
- *   [15] done      set to 1 last: the callback touches nothing of the slot after it, so the
+ *   [14] wake      1: write ``fd`` (the pump has work); 0: the pump finds the slot later
+ *   [15] complete  then another device's C timeline's step (``foreign``: that device may close
+ *   [16] timeline  once it is done; the owner frees its C timeline only under that timeline's
+ *   [17] seq       mutex, so this call has left it by then) (0: none)
+ *   [19] done      set to 1 last: the callback touches nothing of the slot after it, so the
  *                  slot (and the fds it names) may be reused or closed once ``done`` is seen.
  */
 #include <stdint.h>
 #include <time.h>
 
-#define HCQA_SLOT_WORDS 16
+#define HCQA_SLOT_WORDS 20
 
 void hcqa_cl_complete(void *event, int32_t status, void *user) {
     (void)event;
@@ -35,9 +38,12 @@ void hcqa_cl_complete(void *event, int32_t status, void *user) {
         int fd = (int)(int64_t)store[2];
         hcqa_signal_store((uint64_t *)(uintptr_t)store[0], store[1], 0, 0, &fd, fd >= 0 ? 1 : 0);
     }
+    typedef int (*complete_fn)(void *, uint64_t, int);
     if (slot[10] != 0) {  /* the timeline step: its prefix, wrap and wake-ups are the C timeline's */
-        typedef int (*complete_fn)(void *, uint64_t, int);
         ((complete_fn)(uintptr_t)slot[10])((void *)(uintptr_t)slot[11], slot[12], 0);
+    }
+    if (slot[15] != 0) {  /* a transfer's step on the other device's timeline */
+        ((complete_fn)(uintptr_t)slot[15])((void *)(uintptr_t)slot[16], slot[17], 1);
     }
     __atomic_store_n(&slot[1], (uint64_t)(int64_t)status, __ATOMIC_RELAXED);
     __atomic_store_n(&slot[0], 1, __ATOMIC_RELEASE);

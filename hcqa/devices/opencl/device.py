@@ -268,12 +268,14 @@ class OpenCLDevice(Device):
         """No completion for half the hang limit: did the driver fail a command?"""
         for ex in executors:
             for seg in list(ex.pending):
+                if seg.words[runtime.FIRED]:
+                    continue  # called back (a later driver does for failures): drained next
                 status = int(seg.event.command_execution_status)
                 if status < 0:
                     ex.pending.remove(seg)
                     self._slots.abandon(seg.words)
                     runtime.keep_forever(seg)
-                    ex.fail(seg, status)
+                    ex.fail(seg, status, called_back=False)
 
     def _abandon(self, executors: list[ClExecutor]) -> None:
         """Hung: what the driver may still complete keeps its slots and memory for good."""

@@ -76,7 +76,7 @@ _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing run
 class Segment:
     """Driver commands up to ``event`` and the work to do once it completed."""
 
-    __slots__ = ("address", "books", "event", "flows", "keep", "traced", "what", "words")
+    __slots__ = ("address", "books", "event", "flows", "foreign", "keep", "traced", "what", "words")
 
     def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
         self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
@@ -88,6 +88,7 @@ class Segment:
         self.what = what
         self.words: Any = None
         self.address = 0
+        self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
 
 
 class ClExecutor:
@@ -281,7 +282,7 @@ class ClExecutor:
         if traced is not None:  # the pump sets every signal after recording its producer
             seg.traced, seg.flows = traced, flows
         elif books:
-            seg.books = self._native_stores(books, words)
+            seg.books = self._native_stores(seg, books)
             if not seg.books:  # all done by the callback: the pump may find it later
                 words[runtime.WAKE] = 0
         self.pending.append(seg)
@@ -289,7 +290,7 @@ class ClExecutor:
         if status != 0:
             raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
 
-    def _native_stores(self, books: list[tuple[Any, ...]], words: Any) -> list[tuple[Any, ...]]:
+    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Let the callback itself complete what needs no Python, while nothing before it
         does (a timestamp, say): this queue's own signal, and this device's timeline step
         -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
@@ -297,6 +298,7 @@ class ClExecutor:
         without one, directly when every earlier step is done or enqueued before it on this
         queue (the pump then does the Python timeline's bookkeeping). The waiters of those
         wake straight from the driver's thread. Returns the books left to the pump."""
+        words = seg.words
         own = self.device._queues[self.kind].signal
         timeline = self.timeline
         c_timeline = timeline.c_address
@@ -315,6 +317,12 @@ class ClExecutor:
                     words[runtime.TL_ARG] = c_timeline
                     words[runtime.TL_SEQ] = seq
                     native = False  # what follows waits for the pump
+                    last = len(books) > 1 and book is books[-2]  # only a step follows
+                    foreign = self._foreign_step(books[-1], words) if last else None
+                    if foreign is not None:  # a transfer's step on another OpenCL device
+                        seg.foreign = foreign
+                        words[runtime.NSTORES] = n
+                        return left
                     continue
                 in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
                 if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
@@ -326,6 +334,23 @@ class ClExecutor:
             left.append(book)
         words[runtime.NSTORES] = n
         return left
+
+    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
+        """Hand the callback a transfer's last step, on another OpenCL device's C timeline
+        (its owner closes only after taking that timeline's mutex, which the callback holds
+        while it completes the step): (timeline, seq), or None to leave it to the pump. Not
+        for a cpu device's timeline, whose native lanes release it by another way."""
+        if book[0] != "step":
+            return None
+        tl, seq = book[1], book[2]
+        if tl.c_address is None or getattr(tl._owner, "kind", None) != "opencl":
+            return None
+        if not tl.take_foreign(seq):
+            return None
+        words[runtime.TL2_FN] = self._native.tl_complete
+        words[runtime.TL2_ARG] = tl.c_address
+        words[runtime.TL2_SEQ] = seq
+        return tl, seq
 
     @staticmethod
     def _store(words: Any, i: int, signal: Signal, value: int) -> None:
@@ -449,8 +474,9 @@ class ClExecutor:
             if book[0] == "signal" and track.last is not None:
                 hook._produced_by(book[1], book[2], track.last)
 
-    def fail(self, seg: Segment, status: int) -> None:
-        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping."""
+    def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
+        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
+        (``called_back``: False when its callback never ran and never will)."""
         fault = DeviceFault(
             f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
             f"driver reported execution status {status} for it",
@@ -463,6 +489,9 @@ class ClExecutor:
                 book[1]._break(self.device._error)
             elif book[0] == "step" and book[1] is not self.timeline:
                 book[1].complete(book[2])
+        if seg.foreign is not None and not called_back:  # the other device may close
+            tl, seq = seg.foreign
+            tl._native.tl_complete(tl.c_address, seq, 1)
 
 
 def _device_memory(end: Any) -> ClMemory | None:

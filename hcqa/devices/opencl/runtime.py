@@ -16,7 +16,7 @@ OpenCL: it makes the stores its slot lists, marks the slot fired, writes the dev
 and marks the slot done -- its last touch. PyOpenCL's own ``Event.set_callback`` is never used
 (a thread per event, and an abort at interpreter exit with callbacks pending).
 
-**Slots.** A slot is 16 uint64 words (layout in ``callback.c``) in a :class:`SlotTable`, pages
+**Slots.** A slot is 20 uint64 words (layout in ``callback.c``) in a :class:`SlotTable`, pages
 of 256 slots that a device never unmaps while it lives. A slot goes back to the free list only
 once its ``done`` word is set; a slot whose callback may still come after the device is gone
 (a command the driver failed, which PoCL 3 never completes) is *abandoned*: pointed at a
@@ -39,10 +39,10 @@ from hcqa.errors import InvalidCommand
 
 __all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
 
-WORDS = 16  # uint64 words per slot (see callback.c)
-FIRED, STATUS, FD, NSTORES, STORES, TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE, DONE = (
-    0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15
-)
+WORDS = 20  # uint64 words per slot (see callback.c)
+FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
+TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
+TL2_FN, TL2_ARG, TL2_SEQ, DONE = 15, 16, 17, 19
 MAX_STORES = 2
 CL_COMPLETE = 0
 
@@ -151,7 +151,7 @@ def keep_forever(obj: Any) -> None:
     _abandoned.append(obj)
 
 
-Words = ctypes.Array[ctypes.c_uint64]  # one slot's 16 words (ctypes: cheap item access)
+Words = ctypes.Array[ctypes.c_uint64]  # one slot's words (ctypes: cheap item access)
 _SLOT = ctypes.c_uint64 * WORDS
 
 
@@ -178,7 +178,7 @@ class SlotTable:
             )
         words, address = self._free.pop()
         words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
-        words[TL_FN] = 0
+        words[TL_FN] = words[TL2_FN] = 0
         words[WAKE] = 1
         words[FD] = self.fd
         self.in_use += 1
@@ -192,6 +192,6 @@ class SlotTable:
     def abandon(self, words: Words) -> None:
         """A slot whose callback may come at any time, even after the device is gone."""
         words[FD] = _dead()
-        words[NSTORES] = words[TL_FN] = 0
+        words[NSTORES] = words[TL_FN] = words[TL2_FN] = 0
         _abandoned.append(self._pages)  # the pages stay mapped for the process's life
         self.in_use -= 1
