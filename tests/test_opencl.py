@@ -144,7 +144,7 @@ async def test_a_timestamp_before_launches_takes_the_first_ones_start() -> None:
         y = g.alloc(shape=(2,), dtype="int32")
         await y.copyin(np.zeros(2, np.int32))
         spin, inc = g.program("spin", SOURCE), g.program("inc", SOURCE)
-        secs = await spin.timed(y, vals=(1 << 21,))
+        secs = min([await spin.timed(y, vals=(1 << 21,)) for _ in range(3)])
         t0, t1 = hcqa.Signal(), hcqa.Signal()
         q = g.compute_queue().timestamp(t0).exec(spin, (y,), vals=(1 << 21,)).exec(inc, (y,))
         await q.timestamp(t1).submit()
