@@ -296,9 +296,15 @@ def _check_partial_head(buf: bytearray) -> None:
         raise _BadRequest(400, "the lines of a request head must end with CRLF (got a bare LF)")
     end = buf.find(b"\r\n", 0, _MAX_HEAD)
     if end >= 0:
-        parts = bytes(buf[:end]).split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            raise _BadRequest(400, "malformed request line")
+        _request_line(bytes(buf[:end]))
+
+
+def _request_line(line: bytes) -> list[bytes]:
+    """The request line's three parts (method, target, ``HTTP/...``), or 400."""
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        raise _BadRequest(400, "malformed request line")
+    return parts
 
 
 class _Request:
@@ -319,9 +325,7 @@ class _Request:
     @classmethod
     def parse(cls, head: bytes) -> _Request:
         lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            raise _BadRequest(400, "malformed request line")
+        parts = _request_line(lines[0])
         r = cls()
         r.method = parts[0].decode("ascii", "replace")
         if not r.method.isalpha() or not r.method.isupper():
