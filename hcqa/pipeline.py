@@ -192,8 +192,7 @@ class Pipeline:
                 steps[-1]()
                 inp = out
         slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)
-        last = inp.device
-        out_queue = last.compute if last._copies_on_compute() else last.copy  # see _run
+        out_queue = inp.device._copyout_queue(on_compute=True)  # as _run's copy-out
         for a in [first.device.copy, *(p.actor for p in graph._plan.parts), out_queue]:
             slot.need[a] = slot.need.get(a, 0) + 1
         return slot

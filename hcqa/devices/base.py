@@ -411,13 +411,18 @@ class Device(Faults):
         return self._submit(self.copy, [command], writes=[buf], waits=False)
 
     def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
-        """``on_compute``: on the compute queue (where ``copies_on_compute``), else on the
-        copy queue."""
+        """``on_compute``: on the compute queue where it takes host copies (see
+        ``_copyout_queue``), else on the copy queue."""
         buf._check()
         host = host_ref(dest, buf, writable=True)
         command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
-        queue = self.compute if on_compute and self._copies_on_compute() else self.copy
+        queue = self._copyout_queue(on_compute)
         return self._submit(queue, [command], reads=[buf], waits=False)
+
+    def _copyout_queue(self, on_compute: bool) -> QueueActor:
+        """The queue a copy-out runs on: the compute queue when asked for and
+        ``_copies_on_compute``, else the copy queue."""
+        return self.compute if on_compute and self._copies_on_compute() else self.copy
 
     def _copies_on_compute(self) -> bool:
         """Whether the compute queue's executor also runs host copies (``Copy`` commands
