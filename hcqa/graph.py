@@ -260,8 +260,9 @@ class Graph:
                     if other is not q:
                         tail.append(cmd.Wait(signal=other.signal, value=final))
             q.value = finals[q]
-            seq, steps = device._steps(part.also)
-            q.send_nowait(Batch(head + batch + tail + steps), part.waits or bool(head or tail))
+            run = head + batch + tail
+            seq = device._steps(run, part.also)
+            q.send_nowait(Batch(run), part.waits or bool(head or tail))
             limit = device.hang_limit
             fences.append(Fence(q.signal, finals[q], hang_limit=limit, context=q.name))
             for k in part.transfers:

@@ -352,11 +352,11 @@ class Device(Faults):
         if graph is not None:
             fence: Fence = graph._record(self, actor, commands, reads, writes, also)
             return fence
-        if self._closed or self._closing or self._error is not None:
+        if self._closed or self._closing or self._error is not None:  # (the hot path: no call)
             self._check_usable()
         for other in also:
             other._check_usable()
-        if actor.sent - actor.received >= actor.capacity:
+        if actor.sent - actor.received >= actor.capacity:  # actor.full, without two properties
             raise QueueFull(
                 f"{actor.name} queue is full ({actor.capacity} batches pending): "
                 "await submit_async() / the fences to apply backpressure"
@@ -374,13 +374,7 @@ class Device(Faults):
         batch.extend(commands)
         value = actor.value = actor.value + 1
         batch.append(_signal_command(actor.signal, value, None))
-        timeline = self._timeline
-        if also:
-            seq, steps = self._steps(also)
-            batch.extend(steps)
-        else:
-            seq = timeline.reserve()
-            batch.append(_step_command(timeline, seq, None))
+        seq = self._steps(batch, also)
         if inline:
             actor.run_inline(batch)
         else:
@@ -391,16 +385,20 @@ class Device(Faults):
             hz = b._hazards
             hz.write = (actor, value)
             hz.reads.clear()
-        return timeline.fence(seq)
+        return self._timeline.fence(seq)
 
-    def _steps(self, also: Iterable[Device]) -> tuple[int, list[cmd.Step]]:
-        """A batch's last commands: the step it takes on this device's timeline (its
-        ``seq``, reserved now) and one on each device in ``also``."""
-        seq = self._timeline.reserve()
-        steps = [_step_command(self._timeline, seq, None)]
+    def _steps(self, batch: list[Any], also: Iterable[Device]) -> int:
+        """Append a batch's last commands to it: the step it takes on this device's
+        timeline (its ``seq``, reserved now and returned) and one on each device in
+        ``also``."""
+        timeline = self._timeline
+        seq = timeline.reserve()
+        batch.append(_step_command(timeline, seq, None))
         for other in also:
-            steps.append(cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign()))
-        return seq, steps
+            batch.append(
+                cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign())
+            )
+        return seq
 
     # -- host copies ------------------------------------------------------------------------
 

@@ -357,18 +357,9 @@ class Program:
         if launch is not None and launch.matches(bufs, vals, global_size, local_size):
             for b in bufs:  # the one check that can change between calls: freed, closed
                 b._check()
-            # what _enqueue does for a checked, concrete Exec (its reads and writes known)
-            written, read = launch.access
-            device = self.device
             exec_ = launch.exec_for(self, bufs)
-            fence = device._submit(
-                device.compute,
-                [exec_],
-                reads=[bufs[i] for i in read] if read else (),
-                writes=[bufs[i] for i in written] if written else (),
-                waits=False,
-            )
-            if launch.native is None and device.shares_native:  # cached by the executor
+            fence = self._enqueue(exec_, concrete=True, access=launch.access)
+            if launch.native is None and self.device.shares_native:  # the executor's cache
                 launch.native = exec_.native
             return fence
         exec_ = self.validate(bufs, vals, global_size, local_size)
@@ -381,10 +372,12 @@ class Program:
         *,
         timed: tuple[Signal, Signal] | None = None,
         concrete: bool = False,
+        access: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> Fence:
         """Submit one checked Exec of this program to the device's compute queue (the rest
         of the path: ``Device._submit``). ``concrete``: every val and size is known to be
-        an int (the launch record's); ``timed``: signals stamped just before and after."""
+        an int (the launch record's); ``timed``: signals stamped just before and after;
+        ``access``: ``self.access(len(exec_.buffers))`` when the caller has it."""
         if not concrete and current_capture() is None:
             for v in (*exec_.vals, *exec_.global_size, *exec_.local_size):
                 if not isinstance(v, int):
@@ -392,7 +385,7 @@ class Program:
                         f"{self.name!r}: variable {v} is unbound outside a capture "
                         "(pass ints, or use a Queue with var_vals / hcqa.capture())"
                     )
-        writes, reads = self.access(len(exec_.buffers))
+        writes, reads = self.access(len(exec_.buffers)) if access is None else access
         bufs = cast("tuple[Buffer, ...]", exec_.buffers)  # checked by validate
         commands: list[Any] = [exec_]
         if timed is not None:
@@ -401,8 +394,8 @@ class Program:
         return device._submit(
             device.compute,
             commands,
-            reads=[bufs[i] for i in reads],
-            writes=[bufs[i] for i in writes],
+            reads=[bufs[i] for i in reads] if reads else (),
+            writes=[bufs[i] for i in writes] if writes else (),
             waits=False,
         )
 
