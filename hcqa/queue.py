@@ -24,15 +24,17 @@ Both return the :class:`~hcqa.signals.Fence` of the batch on the device timeline
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
+from hcqa._graph.build import fuse_batch
 from hcqa._graph.patch import CommandSlot, _check_copy_size
 from hcqa._signals.parking import _check_target
+from hcqa.actors import engine as _engine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.capture import current_capture
@@ -72,7 +74,11 @@ class Queue:
         self._symbolic_at: list[int] = []  # positions of commands with variables
         self._slots: list[CommandSlot] = []  # one per such position: rebuilt on change only
         self._symbols: dict[Any, None] = {}  # the distinct expressions they mention
-        self._last: tuple[dict[Any, int], list[Any]] | None = None  # values -> commands
+        # (values, whether fused, the commands sent for them)
+        self._last: tuple[dict[Any, int], bool, list[Any]] | None = None
+        # the fused form (see _resolve): None until the first submit with values; False
+        # when nothing fuses
+        self._fused: tuple[list[Any], list[tuple[int, Any]]] | Literal[False] | None = None
         self._signals: dict[Signal, None] = {}  # signals the commands use, checked at submit
         self._waits = False
 
@@ -85,7 +91,7 @@ class Queue:
             slot = CommandSlot(command)
             self._slots.append(slot)
             self._symbols.update(dict.fromkeys(slot.symbols))
-        self._last = None
+        self._last = self._fused = None
         self._commands.append(command)
         return self
 
@@ -211,19 +217,37 @@ class Queue:
 
     def _resolve(self, var_vals: VarVals | None) -> list[Any]:
         """The commands to send: variables bound -- or kept, inside a capture with no
-        ``var_vals``, for the graph to bind at replay."""
+        ``var_vals``, for the graph to bind at replay.
+
+        A queue with variables is sent in its *fused* form where its device fuses C kernels
+        (as a graph replay is): each run of consecutive C kernels becomes one native call
+        over an argument table, and new values are one numpy assignment per variable into a
+        fresh copy of that table, instead of a new command per kernel. Not while a tracer
+        records (it shows every kernel) or a graph captures (the graph fuses by itself)."""
         self._check_buffers()
-        commands = list(self._commands)
-        if var_vals is None and current_capture() is not None:
-            return commands
-        if self._slots:  # only these change from one submit to the next
-            values = {s: resolve(s, var_vals) for s in self._symbols}  # each resolved once
-            last = self._last
-            if last is not None and last[0] == values:  # nothing changed: the last batch
-                return list(last[1])
+        capture = current_capture()
+        if var_vals is None and capture is not None:
+            return list(self._commands)
+        if not self._slots:
+            return list(self._commands)
+        values = {s: resolve(s, var_vals) for s in self._symbols}  # each resolved once
+        fuse = capture is None and _engine.trace_hook is None
+        last = self._last
+        if last is not None and last[1] is fuse and last[0] == values:  # nothing changed
+            return list(last[2])
+        plan = self._fused if fuse else False
+        if plan is None:
+            plan = self._fused = fuse_batch(self._commands, set(self._symbolic_at)) or False
+        if plan:
+            template, slots = plan
+            commands = list(template)
+            for i, slot in slots:
+                commands[i] = slot.build(values, var_vals, None)
+        else:
+            commands = list(self._commands)
             for i, slot in zip(self._symbolic_at, self._slots, strict=True):
                 commands[i] = slot.build(values, var_vals, None)  # reused if unchanged
-            self._last = (values, list(commands))
+        self._last = (values, fuse, list(commands))
         return commands
 
     def _send(self, commands: list[Any]) -> Fence:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,11 +16,18 @@ import trio
 import hcqa
 import hcqa._graph.patch
 import hcqa.variables
-from hcqa import InvalidCommand, Variable
+from hcqa import InvalidCommand, Tracer, Variable
 from hcqa._graph.patch import CommandSlot
+from hcqa.devices.cpu.crunner import RunC
 
 ADDK = """
 void addk(long *out, const long *a, long k, long n) {
+    for (long i = 0; i < n; i++) out[i] = a[i] + k;
+}
+"""
+
+ADDK_I8 = """
+void addk(long *out, const long *a, signed char k, long n) {
     for (long i = 0; i < n; i++) out[i] = a[i] + k;
 }
 """
@@ -319,7 +327,11 @@ async def test_static_commands_stay_static_and_fused_next_to_a_symbolic_one() ->
     s.close()
 
 
-async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_queue_resubmits_rebuild_only_what_changed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Traced, a queue sends a command per kernel: only the commands whose values changed
+    are rebuilt. (Untraced it is fused: see the next test.)"""
     resolves: list[str] = []
     real = hcqa._graph.patch._resolve_command
 
@@ -327,7 +339,7 @@ async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.Mon
         resolves.append(type(c).__name__)
         return real(c, *args)
 
-    with trio.fail_after(TIMEOUT):
+    with trio.fail_after(TIMEOUT), Tracer(tmp_path / "t.json"):
         async with hcqa.open_device("cpu:0") as d:
             addk = d.program("addk", ADDK)
             a = _i64(d)
@@ -347,6 +359,85 @@ async def test_queue_resubmits_rebuild_only_what_changed(monkeypatch: pytest.Mon
             assert s.value == 2
             assert (await _read(a)).tolist() == [12, 12, 9, 9]
     s.close()
+
+
+async def test_queue_with_variables_is_fused_and_patched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untraced, a queue's run of C kernels is one native call over an argument table: a new
+    value is a fresh copy of the table, made only when a value the run uses changed."""
+    resolves: list[str] = []
+    tables: list[int] = []
+    real = hcqa._graph.patch._resolve_command
+    real_table = RunC.with_table
+
+    def count(c: Any, *args: Any) -> Any:
+        resolves.append(type(c).__name__)
+        return real(c, *args)
+
+    def count_table(self: RunC, table: Any) -> RunC:
+        tables.append(len(table))
+        return real_table(self, table)
+
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK)
+            a = _i64(d)
+            s = hcqa.Signal()
+            n, v = Variable("n", 1, 4), Variable("v", 0, 100)
+            q = d.compute_queue()
+            for _ in range(3):
+                q.exec(addk, (a, a), vals=(1, n))
+            q.exec(addk, (a, a), vals=(1, 4)).signal(s, v)
+            monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count)
+            monkeypatch.setattr(RunC, "with_table", count_table)
+            sent = q._resolve({n: 4, v: 1})
+            assert [type(c).__name__ for c in sent] == ["RunC", "Signal"]
+            await q.submit({n: 4, v: 1})
+            assert (resolves, tables) == (["Signal"], [4 * 4])
+            await q.submit({n: 4, v: 2})  # only the signal's value changed
+            assert (resolves, tables) == (["Signal"] * 2, [16])
+            await q.submit({n: 2, v: 2})  # only n changed: a new table, the same signal
+            assert (resolves, tables) == (["Signal"] * 2, [16, 16])
+            assert s.value == 2
+            assert (await _read(a)).tolist() == [12, 12, 9, 9]
+            assert len(q) == 5  # what the user built is unchanged
+    s.close()
+
+
+async def test_fused_queue_submits_in_flight_keep_their_own_values() -> None:
+    """Submits with different values queued back to back, none awaited: each runs with its
+    own values (a new table per value, never one patched under a queued run)."""
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK)
+            a = _i64(d)
+            n = Variable("n", 0, 1000)
+            q = d.compute_queue()
+            q.exec(addk, (a, a), vals=(n, 4)).exec(addk, (a, a), vals=(n, 2))
+            q.exec(addk, (a, a), vals=(1, 4)).exec(addk, (a, a), vals=(n, 1))
+            ks = (1, 10, 100, 10, 1000)
+            fences = [q.submit({n: k}) for k in ks]
+            await fences[-1]
+            assert all(f.reached for f in fences)
+            total = sum(ks)
+            expect = [3 * total + 5, 2 * total + 5, total + 5, total + 5]
+            assert (await _read(a)).tolist() == expect
+
+
+async def test_fused_queue_refuses_an_out_of_range_value_before_sending() -> None:
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK_I8)
+            a = _i64(d)
+            n = Variable("n", 0, 1000)  # wider than the kernel's int8_t parameter
+            q = d.compute_queue()
+            q.exec(addk, (a, a), vals=(n, 4)).exec(addk, (a, a), vals=(n, 4))
+            await q.submit({n: 100})
+            sent = d.compute.statistics().submitted
+            with pytest.raises(InvalidCommand, match=r"'addk' val 'k' must be in \[-128, 127\]"):
+                q.submit({n: 300})
+            assert d.compute.statistics().submitted == sent  # nothing was queued
+            await q.submit({n: 27})
+            assert (await _read(a)).tolist() == [254] * 4
 
 
 def test_rebinding_and_variables_under_asyncio() -> None:

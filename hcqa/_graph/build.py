@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from hcqa.devices.base import Device
     from hcqa.devices.buffer import Buffer
 
-__all__ = ["Node", "Part", "Plan", "build", "conflicts"]
+__all__ = ["Node", "Part", "Plan", "build", "conflicts", "fuse_batch"]
 
 FinalState = list[tuple["Buffer", "QueueActor | None", "tuple[QueueActor, ...]"]]
 
@@ -303,3 +303,29 @@ def build_part(
         transfers=transfers,
     )
     return part, fused
+
+
+def fuse_batch(
+    commands: Sequence[Any], symbolic: set[int]
+) -> tuple[list[Any], list[tuple[int, CommandSlot | RunSlot]]] | None:
+    """A built queue's commands with their runs of C kernels fused, for a queue submitted
+    with variables: the template, and the slots to build per new set of values (positions
+    in the template); None when nothing fuses. ``symbolic``: the positions of the commands
+    that hold variables. The runners are generic (``build_runner(generic=True)``): nothing
+    is compiled at a submit beyond a kernel's trampoline, which its first launch needs too."""
+    template: list[Any] = []
+    patches: list[tuple[int, str, Any]] = []
+    for i, c in enumerate(commands):
+        if i in symbolic and type(c) is not cmd.Exec:
+            patches.append((i, "command", c))
+            template.append(None)
+        else:  # static, or an Exec: fuse_runs makes a slot of it if it must
+            template.append(c)
+    template, patches, fused = fuse_runs(template, patches, generic=True)
+    if not fused:
+        return None
+    slots: list[tuple[int, CommandSlot | RunSlot]] = [
+        (index, CommandSlot(data) if kind == "command" else RunSlot(data))
+        for index, kind, data in patches
+    ]
+    return template, slots

@@ -133,26 +133,22 @@ def trampoline(kernel: CKernel) -> int:
 Entry = tuple[Any, int, int, str]  # (int or expression or Buffer, lo, hi, what)
 
 
-def build_runner(calls: Sequence[tuple[CKernel, Sequence[Entry]]], names: Sequence[str]) -> RunC:
-    """One RunC for ``calls``: (kernel, its arguments as table entries: a buffer, an int or
-    an expression, with the range it must fit and what it is, for error messages)."""
+def _table(
+    calls: Sequence[tuple[CKernel, Sequence[Entry]]],
+) -> tuple[list[int], list[tuple[int, Any, int, int, str]], list[tuple[int, Any]], list[int]]:
+    """The argument table of ``calls`` (each call's entries in turn), its symbolic entries,
+    its buffer addresses, and where each call's entries start."""
     from hcqa.devices.buffer import Buffer
 
-    lines = ["#include <stdint.h>"]
-    types: dict[tuple[str, ...], str] = {}
-    body: list[str] = []
     table: list[int] = []
     syms: list[tuple[int, Any, int, int, str]] = []
     refs: list[tuple[int, Any]] = []
-    for i, (kernel, entries) in enumerate(calls):
-        ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
-        if ctypes_ not in types:
-            types[ctypes_] = f"sig{len(types)}"
-            lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
-        args = []
-        for t, (value, lo, hi, what) in zip(ctypes_, entries, strict=True):
-            cast = "(void *)(intptr_t)" if t == "void *" else f"({t})"
-            args.append(f"{cast}a[{len(table)}]")
+    starts: list[int] = []
+    for kernel, entries in calls:
+        starts.append(len(table))
+        if len(entries) != len(kernel.params):
+            raise ValueError(f"{len(kernel.params)} arguments expected (got {len(entries)})")
+        for value, lo, hi, what in entries:
             if isinstance(value, Buffer):
                 refs.append((len(table), value))
                 table.append(value.va_addr)
@@ -161,18 +157,76 @@ def build_runner(calls: Sequence[tuple[CKernel, Sequence[Entry]]], names: Sequen
             else:
                 syms.append((len(table), value, lo, hi, what))
                 table.append(0)
+    return table, syms, refs, starts
+
+
+def build_runner(
+    calls: Sequence[tuple[CKernel, Sequence[Entry]]],
+    names: Sequence[str],
+    *,
+    generic: bool = False,
+) -> RunC:
+    """One RunC for ``calls``: (kernel, its arguments as table entries: a buffer, an int or
+    an expression, with the range it must fit and what it is, for error messages).
+
+    ``generic``: compile nothing for this run; one C function built once per process calls
+    each kernel through its trampoline (see :func:`trampoline`), one more indirect call per
+    kernel. For a run made at a queue's submit, where a compile would stall the caller."""
+    table, syms, refs, starts = _table(calls)
+    packed = np.array(table or [0], dtype=np.int64)
+    if generic:
+        entry = _generic_entry()
+        words: list[int | None] = []
+        for (kernel, _), start in zip(calls, starts, strict=True):
+            words += [trampoline(kernel), kernel.address, start]
+        fns: Any = (ctypes.c_void_p * (len(words) + 1))(*words, None)
+    else:
+        entry = _compiled_entry(calls, starts)
+        fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _ in calls])
+    return RunC(
+        entry=entry, fns=fns, table=packed, names=tuple(names), syms=tuple(syms), refs=tuple(refs)
+    )
+
+
+def _compiled_entry(calls: Sequence[tuple[CKernel, Sequence[Entry]]], starts: list[int]) -> Any:
+    """``hcqa_run`` generated for the shapes of ``calls``: each kernel called directly."""
+    lines = ["#include <stdint.h>"]
+    types: dict[tuple[str, ...], str] = {}
+    body: list[str] = []
+    for i, ((kernel, _), start) in enumerate(zip(calls, starts, strict=True)):
+        ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
+        if ctypes_ not in types:
+            types[ctypes_] = f"sig{len(types)}"
+            lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
+        args = []
+        for j, t in enumerate(ctypes_):
+            cast = "(void *)(intptr_t)" if t == "void *" else f"({t})"
+            args.append(f"{cast}a[{start + j}]")
         body.append(f"    (({types[ctypes_]})fn[{i}])({', '.join(args)});")
     lines.append("void hcqa_run(void **fn, const int64_t *a) {")
     lines.extend(body)
     lines.append("}")
-    kernel = compile_c("\n".join(lines) + "\n", "hcqa_run")
-    fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _ in calls])
-    packed = np.array(table or [0], dtype=np.int64)
-    entry = kernel.fn
+    entry = compile_c("\n".join(lines) + "\n", "hcqa_run").fn
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    return RunC(
-        entry=entry, fns=fns, table=packed, names=tuple(names), syms=tuple(syms), refs=tuple(refs)
-    )
+    return entry
+
+
+_GENERIC_SOURCE = """#include <stdint.h>
+typedef void (*tramp_t)(void *, const int64_t *);
+/* fn: (trampoline, kernel, where its arguments start in a) per call, then NULL */
+void hcqa_run_generic(void **fn, const int64_t *a) {
+    for (; fn[0] != 0; fn += 3) ((tramp_t)fn[0])(fn[1], a + (intptr_t)fn[2]);
+}
+"""
+_generic: list[Any] = []
+
+
+def _generic_entry() -> Any:
+    if not _generic:
+        entry = compile_c(_GENERIC_SOURCE, "hcqa_run_generic").fn
+        entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        _generic.append(entry)
+    return _generic[0]
 
 
 def _entries(e: Any) -> list[Entry] | None:
@@ -203,12 +257,13 @@ def fusable(e: Any) -> bool:
 
 
 def fuse_runs(
-    template: list[Any], patches: list[tuple[int, str, Any]]
+    template: list[Any], patches: list[tuple[int, str, Any]], *, generic: bool = False
 ) -> tuple[list[Any], list[tuple[int, str, Any]], int]:
     """Replace runs of >= 2 fusable C Execs (see :func:`fusable`; the template holds them,
     symbolic or not) by one :class:`RunC`; the new template, the patch slots moved to their
     new positions, and how many runners were made. A runner with symbolic entries leaves a
-    ``"run"`` patch slot; a symbolic Exec left alone becomes a ``"command"`` slot."""
+    ``"run"`` patch slot; a symbolic Exec left alone becomes a ``"command"`` slot.
+    ``generic``: runners that need no compile (see :func:`build_runner`)."""
     from hcqa import commands as cmd
 
     patched = {i for i, _, _ in patches}
@@ -222,7 +277,8 @@ def fuse_runs(
         nonlocal made
         if len(run) >= 2:
             calls = [(e.program.kernel, _entries(e)) for e in run]
-            runner = build_runner(calls, [e.program.name for e in run])  # type: ignore[arg-type]
+            names = [e.program.name for e in run]
+            runner = build_runner(calls, names, generic=generic)  # type: ignore[arg-type]
             if runner.syms:
                 extra.append((len(out), "run", runner))
                 out.append(None)
