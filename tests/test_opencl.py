@@ -288,6 +288,40 @@ async def test_a_transfer_between_two_opencl_devices_completes_in_the_callback()
         np.testing.assert_array_equal(await _read(y1), a)
 
 
+async def test_a_transfer_to_a_cpu_device_completes_its_step_in_the_callback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OpenCL to cpu runs on the OpenCL device's copy queue; the driver's callback also
+    completes the cpu device's step (its C timeline), and the cpu device, opened in an inner
+    block, closes once it is done -- again and again."""
+    from hcqa.devices.opencl.executor import ClExecutor
+
+    handed: list[Any] = []
+    real = ClExecutor._foreign_step
+
+    def spy(self: ClExecutor, book: tuple[Any, ...], words: Any) -> Any:
+        handed.append(out := real(self, book, words))
+        return out
+
+    monkeypatch.setattr(ClExecutor, "_foreign_step", spy)
+    n = 1 << 14
+    a = np.arange(n, dtype=np.float32)
+    async with hcqa.open_device("opencl:0") as g:
+        x = g.alloc(shape=(n,), dtype="float32")
+        await x.copyin(a)
+        for _ in range(20):
+            async with hcqa.open_device("cpu:0") as c:
+                y = c.alloc(shape=(n,), dtype="float32")
+                tl = c._timeline
+                handed.clear()
+                await hcqa.transfer(y, x)
+                assert handed == [(tl, tl.reserved)]  # the callback completes it
+                with trio.fail_after(5):
+                    await tl.foreign_done.wait(tl.foreign_reserved)
+                np.testing.assert_array_equal(y.numpy_view(), a)
+        np.testing.assert_array_equal(await _read(x), a)
+
+
 async def test_a_failed_transfer_between_two_opencl_devices_lets_the_source_close() -> None:
     """A transfer the driver failed never calls back (PoCL 3): the destination faults once
     its hang check finds it, and completes the source's step, so the source still closes."""

@@ -158,12 +158,15 @@ class Timeline:
         timeline and writes the eventfd."""
         self._closed = True
         if self.c_address is not None:
-            # Freed first: tl_free takes the timeline's mutex, so another device's callback
-            # completing our last foreign step (an OpenCL device's) has made its stores and
-            # eventfd writes before our signals close.
+            # The mutex first: an OpenCL driver's callback completing our last foreign step
+            # (a transfer it ran) stores the foreign count and writes every eventfd while it
+            # holds the mutex, so once the mutex is ours it has left, before our signals
+            # close. tl_free takes it; tl_done too, where the lanes defer the free.
             assert self._native is not None
             free, address = self._native.tl_free, self.c_address
             self.c_address = None
+            if self._lanes:
+                self._native.tl_done(address)  # (before defer: a sweep may free it at once)
             if not (self._lanes and _lanes.defer(lambda: free(address), self._lanes)):
                 free(address)
         for s in (*self.signals, self.foreign_done):

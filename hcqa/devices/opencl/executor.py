@@ -336,14 +336,15 @@ class ClExecutor:
         return left
 
     def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
-        """Hand the callback a transfer's last step, on another OpenCL device's C timeline
-        (its owner closes only after taking that timeline's mutex, which the callback holds
-        while it completes the step): (timeline, seq), or None to leave it to the pump. Not
-        for a cpu device's timeline, whose native lanes release it by another way."""
+        """Hand the callback a transfer's last step, on the other device's C timeline (an
+        OpenCL device's, or a cpu device's that this copy writes to): (timeline, seq), or
+        None to leave it to the pump. The callback completes the step under that timeline's
+        mutex, and its owner takes the mutex before it closes anything the callback touches
+        (``Timeline.close``)."""
         if book[0] != "step":
             return None
         tl, seq = book[1], book[2]
-        if tl.c_address is None or getattr(tl._owner, "kind", None) != "opencl":
+        if tl.c_address is None:
             return None
         if not tl.take_foreign(seq):
             return None
