@@ -327,6 +327,21 @@ async def test_static_commands_stay_static_and_fused_next_to_a_symbolic_one() ->
     s.close()
 
 
+def _three_symbolic_one_static(
+    d: hcqa.Device,
+) -> tuple[hcqa.Queue, hcqa.Buffer, hcqa.Signal, Variable, Variable]:
+    """A queue of three kernels with a Variable, one without, and a signal with another."""
+    addk = d.program("addk", ADDK)
+    a = _i64(d)
+    s = hcqa.Signal()
+    n, v = Variable("n", 1, 4), Variable("v", 0, 100)
+    q = d.compute_queue()
+    for _ in range(3):
+        q.exec(addk, (a, a), vals=(1, n))
+    q.exec(addk, (a, a), vals=(1, 4)).signal(s, v)
+    return q, a, s, n, v
+
+
 async def test_queue_resubmits_rebuild_only_what_changed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -341,14 +356,7 @@ async def test_queue_resubmits_rebuild_only_what_changed(
 
     with trio.fail_after(TIMEOUT), Tracer(tmp_path / "t.json"):
         async with hcqa.open_device("cpu:0") as d:
-            addk = d.program("addk", ADDK)
-            a = _i64(d)
-            s = hcqa.Signal()
-            n, v = Variable("n", 1, 4), Variable("v", 0, 100)
-            q = d.compute_queue()
-            for _ in range(3):
-                q.exec(addk, (a, a), vals=(1, n))
-            q.exec(addk, (a, a), vals=(1, 4)).signal(s, v)
+            q, a, s, n, v = _three_symbolic_one_static(d)
             monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count)
             await q.submit({n: 4, v: 1})
             assert resolves == ["Exec"] * 3 + ["Signal"]
@@ -379,14 +387,7 @@ async def test_queue_with_variables_is_fused_and_patched(monkeypatch: pytest.Mon
 
     with trio.fail_after(TIMEOUT):
         async with hcqa.open_device("cpu:0") as d:
-            addk = d.program("addk", ADDK)
-            a = _i64(d)
-            s = hcqa.Signal()
-            n, v = Variable("n", 1, 4), Variable("v", 0, 100)
-            q = d.compute_queue()
-            for _ in range(3):
-                q.exec(addk, (a, a), vals=(1, n))
-            q.exec(addk, (a, a), vals=(1, 4)).signal(s, v)
+            q, a, s, n, v = _three_symbolic_one_static(d)
             monkeypatch.setattr(hcqa._graph.patch, "_resolve_command", count)
             monkeypatch.setattr(RunC, "with_table", count_table)
             sent = q._resolve({n: 4, v: 1})
