@@ -18,7 +18,9 @@ a rotating order, so host-load drift hits all sides alike; ratios are what to qu
 2. commands per second through one queue: a ``Queue`` of 100 execs of a C no-op, and one of
    100 signals, submitted again and again (end to end: first submit to last fence reached),
    vs the floor, a trio memory channel carrying 100 commands per message to a task that
-   dispatches each (target: 100 execs per submit <= 3x the floor per command).
+   dispatches each (target: 100 execs per submit <= 3x the floor per command). A queue of C
+   kernels submitted again goes fused (one native call over an argument table), so the
+   signals' queue is the one that measures a command's own way through the queue.
 3. ``hcqa.transfer`` cpu:0 -> cpu:1 of 1 MiB (target p50 <= 100 us or <= 2x numpy.copyto),
    64 and 256 MiB vs ``numpy.copyto`` (target >= 0.8x its bandwidth, aim 0.95x); copyin /
    copyout of 64 MiB with ``host_visible=True`` and ``False`` (the staging ring).

@@ -12,6 +12,11 @@ against ``var_vals`` (range-checked), adds waits for buffer hazards on other
 queues, and sends the whole batch as *one* message to the queue's actor. It
 can be submitted again and again with new values.
 
+Submitted again, a queue is sent the way a graph replay is: where the device fuses C
+kernels, each run of consecutive C kernels goes as one native call over an argument
+table (``_graph.build.fuse_batch``), and new values are written into a fresh copy of
+that table instead of building a command per kernel (see :meth:`Queue._resolve`).
+
 Two ways to submit, by what should happen when the queue's channel is full:
 
 * ``q.submit()`` is synchronous and never blocks the event loop: it raises
@@ -76,9 +81,10 @@ class Queue:
         self._symbols: dict[Any, None] = {}  # the distinct expressions they mention
         # (values, whether fused, the commands sent for them)
         self._last: tuple[dict[Any, int], bool, list[Any]] | None = None
-        # the fused form (see _resolve): None until the first submit with values; False
-        # when nothing fuses
+        # the fused form (see _resolve): None until it is first needed; False when
+        # nothing fuses
         self._fused: tuple[list[Any], list[tuple[int, Any]]] | Literal[False] | None = None
+        self._sent = False  # submitted since the last verb (a constant queue fuses then)
         self._signals: dict[Signal, None] = {}  # signals the commands use, checked at submit
         self._waits = False
 
@@ -92,6 +98,7 @@ class Queue:
             self._slots.append(slot)
             self._symbols.update(dict.fromkeys(slot.symbols))
         self._last = self._fused = None
+        self._sent = False
         self._commands.append(command)
         return self
 
@@ -228,10 +235,17 @@ class Queue:
         capture = current_capture()
         if var_vals is None and capture is not None:
             return list(self._commands)
-        if not self._slots:
+        fuse = capture is None and _engine.trace_hook is None
+        if not self._slots:  # constants: fused from the second submit (see above)
+            if fuse:
+                plan = self._fused
+                if plan is None and self._sent:
+                    plan = self._fused = fuse_batch(self._commands, set()) or False
+                self._sent = True
+                if plan:
+                    return list(plan[0])
             return list(self._commands)
         values = {s: resolve(s, var_vals) for s in self._symbols}  # each resolved once
-        fuse = capture is None and _engine.trace_hook is None
         last = self._last
         if last is not None and last[1] is fuse and last[0] == values:  # nothing changed
             return list(last[2])

@@ -404,6 +404,34 @@ async def test_queue_with_variables_is_fused_and_patched(monkeypatch: pytest.Mon
     s.close()
 
 
+async def test_a_constant_queue_is_fused_from_its_second_submit(tmp_path: Path) -> None:
+    """Sent once, a queue without variables goes as built (each command keeps its native
+    record); sent again it goes fused; a new verb starts over; traced, never fused."""
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK)
+            a = _i64(d)
+            q = d.compute_queue().exec(addk, (a, a), vals=(1, 4)).exec(addk, (a, a), vals=(2, 4))
+            sent: list[list[str]] = []
+            send = q._send
+
+            def spy(commands: list[Any]) -> hcqa.Fence:
+                sent.append([type(c).__name__ for c in commands])
+                return send(commands)
+
+            q._send = spy  # type: ignore[method-assign]
+            for _ in range(3):
+                await q.submit()
+            assert sent == [["Exec", "Exec"], ["RunC"], ["RunC"]]
+            q.exec(addk, (a, a), vals=(4, 2))
+            for _ in range(2):
+                await q.submit()
+            with Tracer(tmp_path / "t.json"):
+                await q.submit()
+            assert sent[3:] == [["Exec"] * 3, ["RunC"], ["Exec"] * 3]
+            assert (await _read(a)).tolist() == [3 * 3 + 3 * 7] * 2 + [3 * 3 + 3 * 3] * 2
+
+
 async def test_fused_queue_submits_in_flight_keep_their_own_values() -> None:
     """Submits with different values queued back to back, none awaited: each runs with its
     own values (a new table per value, never one patched under a queued run)."""
