@@ -40,9 +40,11 @@ server (uvicorn); the pipeline and batcher it awaits are hcqa's.
 Where each part lives: :mod:`hcqa.serve.app` (the routes and their errors),
 :mod:`hcqa.serve.inputs` (request bodies to arrays), :mod:`hcqa.serve.metrics` (counters,
 histograms and the scrape-time collector), :mod:`hcqa.serve.server` (choosing the HTTP server,
-draining, the demo MLP), :mod:`hcqa.serve.http` (the HTTP/1.1 server), :mod:`hcqa.serve.v2`
-and :mod:`hcqa.serve.tensors` (the Open Inference Protocol). ``import hcqa.serve`` needs
-starlette and prometheus-client; hypercorn is imported only by ``serve(http="hypercorn")``.
+draining, the demo MLP), :mod:`hcqa.serve.http` (the HTTP/1.1 server; request heads in
+:mod:`hcqa.serve.http_head`, a request's ``receive`` and ``send`` in
+:mod:`hcqa.serve.http_exchange`), :mod:`hcqa.serve.v2` and :mod:`hcqa.serve.tensors` (the Open
+Inference Protocol). ``import hcqa.serve`` needs starlette and prometheus-client; hypercorn is
+imported only by ``serve(http="hypercorn")``.
 """
 
 from __future__ import annotations
