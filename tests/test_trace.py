@@ -490,7 +490,7 @@ def test_plot_states_its_flow_cap(
 
 
 def test_plot_samples_flows_over_the_whole_trace() -> None:
-    from hcqa.trace.view import _pick
+    from hcqa.trace.plotting import _pick
 
     picked = _pick(632, 200)
     assert len(picked) == 200 and picked[0] == 0 and picked[-1] == 631  # not the first 200
