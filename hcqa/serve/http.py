@@ -60,10 +60,10 @@ from hcqa.serve.http_head import (
 __all__ = ["DISCONNECT", "serve_http"]
 
 _log = logging.getLogger("hcqa.serve.http")
-_MAX_BUFFER = 1 << 20
+_MAX_BUFFER = 1 << 20  # the reader stops here until the request asks for more
 #: ASGI scope extension: ``scope["extensions"][DISCONNECT](callback)`` calls ``callback()``
 #: when the client leaves before its response is complete (see ``_Exchange.on_disconnect``)
-DISCONNECT = "hcqa.disconnect"  # the reader stops here until the request asks for more
+DISCONNECT = "hcqa.disconnect"
 _READ = 1 << 16
 
 
