@@ -212,7 +212,13 @@ class ClExecutor:
                         if traced is not None:
                             traced.append((c, last))
                     else:  # the hot path: consecutive launches, one driver call each
-                        while True:
+                        end = i + 1
+                        while end < n and type(run[end]) is _EXEC:
+                            end += 1
+                        append = keep.append
+                        start = i
+                        for i in range(start, end):  # (i, c: the command a fault names)
+                            c = run[i]
                             rec = c.native
                             if rec is None:
                                 rec = c.program.record(c)
@@ -220,13 +226,9 @@ class ClExecutor:
                             if rec[3] is not c.program.cl_args:
                                 c.program.set_args(rec[3])
                             last = launch(queue, rec[0], rec[1], rec[2])
-                            keep.append(last)
+                            append(last)
                             if traced is not None:
                                 traced.append((c, last))
-                            if i + 1 == n or type(run[i + 1]) is not _EXEC:
-                                break
-                            i += 1
-                            c = run[i]
                 except BaseException as exc:
                     self._on_fault(c, exc)
                     self._skip(run[i:], self.error)
