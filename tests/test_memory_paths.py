@@ -756,3 +756,31 @@ async def test_transfer_refuses_the_mismatches_copyin_refuses() -> None:
         await i32.copyout(out)
         assert out.tolist() == np.array([1.5, -2.0, 3.25, 0.0], np.float32).view(np.int32).tolist()
         await hcqa.transfer(square, f32.view(0, 16, dtype="float32", shape=[2, 2]))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_array_address_is_numpys_data_pointer(
+    fast: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The copy path reads an array's data pointer straight from the array object; it
+    must be numpy's own answer for every kind of array a copy may be given (and the public
+    way is taken where that read was found not to hold)."""
+    from hcqa.devices import buffer
+
+    assert buffer._DATA_AT is not None  # CPython and numpy as hcqa supports them
+    if not fast:
+        monkeypatch.setattr(buffer, "_DATA_AT", None)
+    base = np.arange(64, dtype=np.float32)
+    path = tmp_path / "m.bin"
+    path.write_bytes(bytes(range(64)))
+    arrays = [
+        base,
+        base[5:],  # a view, inside another array
+        base.reshape(8, 8)[2],
+        np.frombuffer(b"0123456789", np.uint8)[3:],  # read-only, over a bytes object
+        np.frombuffer(bytearray(32), np.int64),
+        np.memmap(path, dtype=np.uint8, mode="r"),  # a subclass: the public way
+        np.ascontiguousarray(base[::2]),
+    ]
+    for a in arrays:
+        assert buffer.array_address(a) == a.__array_interface__["data"][0], repr(a)

@@ -82,6 +82,7 @@ __all__ = ["Device", "DeviceStatistics"]
 # (signal, value, native) and (timeline, seq, native).
 _signal_command = cmd.maker(cmd.Signal)
 _step_command = cmd.maker(cmd.Step)
+_copy_command = cmd.maker(cmd.Copy)  # (dest, src, nbytes, native): a host copy's command
 
 
 @attrs.frozen(kw_only=True)
@@ -405,7 +406,7 @@ class Device(Faults):
     def _copyin(self, buf: Buffer, src: Any) -> Fence:
         buf._check()
         host = host_ref(src, buf, writable=False)
-        command = cmd.Copy(dest=buf, src=host, nbytes=buf.nbytes)
+        command = _copy_command(buf, host, buf.nbytes, None)
         return self._submit(self.copy, [command], writes=[buf], waits=False)
 
     def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
@@ -413,7 +414,7 @@ class Device(Faults):
         ``_copyout_queue``), else on the copy queue."""
         buf._check()
         host = host_ref(dest, buf, writable=True)
-        command = cmd.Copy(dest=host, src=buf, nbytes=buf.nbytes)
+        command = _copy_command(host, buf, buf.nbytes, None)
         queue = self._copyout_queue(on_compute)
         return self._submit(queue, [command], reads=[buf], waits=False)
 

@@ -23,6 +23,7 @@ host array is referenced by the queued command until the copy is done.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import weakref
@@ -393,6 +394,35 @@ def typed_size(
     return nbytes, dt, shp
 
 
+def _data_pointer_offset() -> int | None:
+    """Where a numpy array object keeps its data pointer: numpy's array struct starts with
+    it, right after the object header. Checked against numpy's own answer on arrays that
+    own their memory, view another's and borrow a bytes object's; None (so the slower
+    public way is taken) if any differs."""
+    at = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)  # refcount, type
+    samples = (np.zeros(3), np.arange(8, dtype=np.uint8)[3:], np.frombuffer(b"hcqa", np.uint8))
+    for a in samples:
+        if ctypes.c_void_p.from_address(id(a) + at).value != a.__array_interface__["data"][0]:
+            return None
+    return at
+
+
+_DATA_AT = _data_pointer_offset()
+_pointer_at = ctypes.c_void_p.from_address
+
+
+def array_address(arr: npt.NDArray[Any]) -> int:
+    """The address of ``arr``'s first byte. A copy's hot path: read straight from the array
+    object (0.15 us) rather than through ``__array_interface__``, which builds a dict each
+    time (1.7 us)."""
+    if _DATA_AT is not None and type(arr) is np.ndarray:
+        return _pointer_at(id(arr) + _DATA_AT).value or 0
+    return int(arr.__array_interface__["data"][0])
+
+
+_host_memory_ref = cmd.maker(cmd.HostMemoryRef)  # (va_addr, nbytes, keep)
+
+
 def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
     """Check a host array for copyin (writable=False) / copyout (writable=True)."""
     what = "copyout" if writable else "copyin"
@@ -442,6 +472,4 @@ def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
             f"{what}: shape must be {buf.shape}, the buffer's (got {obj.shape}; "
             "reshape the array to match)"
         )
-    return cmd.HostMemoryRef(
-        va_addr=arr.__array_interface__["data"][0], nbytes=arr.nbytes, keep=(obj, arr)
-    )
+    return _host_memory_ref(array_address(arr), arr.nbytes, (obj, arr))

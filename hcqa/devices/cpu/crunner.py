@@ -38,6 +38,7 @@ import attrs
 import numpy as np
 
 from hcqa._native.compiler import CKernel, compile_c
+from hcqa.devices.buffer import array_address
 
 __all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "trampoline", "wrap64"]
 
@@ -102,7 +103,7 @@ class RunC:
         return new
 
     def __call__(self) -> None:
-        self.entry(self.fns, self.table.__array_interface__["data"][0])
+        self.entry(self.fns, array_address(self.table))
 
 
 _TRAMPOLINES: dict[tuple[str, ...], int] = {}

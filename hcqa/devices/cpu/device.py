@@ -45,7 +45,7 @@ from hcqa.actors import Executor
 from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer
+from hcqa.devices.buffer import Buffer, array_address
 from hcqa.devices.cpu.crunner import RunC, trampoline, wrap64
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
@@ -278,5 +278,5 @@ def _encode_run(c: RunC) -> tuple[bytes, None, None]:
     """A fused run of C kernels (``crunner``): one call of its entry over its tables (the
     RunC, which the queued command list holds, keeps them)."""
     entry = ctypes.cast(c.entry, ctypes.c_void_p).value
-    table = c.table.__array_interface__["data"][0]
+    table = array_address(c.table)
     return REC.pack(OP_CALL, entry, ctypes.addressof(c.fns), table, 0), None, None
