@@ -516,3 +516,32 @@ async def test_a_python_kernels_vals_are_patched_in_place_per_replay() -> None:
             await second
             assert seen == [(1, 7), (3, 2), (2, 7), (3, 4)]
             assert slot.command.vals == (n, 7)  # the template is never written
+
+
+MIXED = """
+#include <stdint.h>
+#include <stdbool.h>
+void mixed(int64_t *out, uint8_t a, int16_t b, uint64_t c, bool d, int32_t e) {
+    out[0] = a; out[1] = b; out[2] = (int64_t)(c >> 1); out[3] = d; out[4] = e;
+}
+"""
+
+
+async def test_fused_queue_passes_every_c_parameter_type() -> None:
+    """The generic runner calls each kernel through its signature's trampoline: narrow,
+    signed, unsigned, 64-bit and bool parameters all arrive as the per-command path passes
+    them, run after run."""
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            mixed = d.program("mixed", MIXED)
+            add = d.program("addk", ADDK)
+            out, other = _i64(d, 5), _i64(d)
+            a, b = Variable("a", 0, 255), Variable("b", -32768, 32767)
+            q = d.compute_queue()
+            q.exec(mixed, (out,), vals=(a, b, 2**64 - 2, 1, -(2**31)))
+            q.exec(add, (other, other), vals=(a, 4))
+            for va, vb in ((255, -32768), (0, 32767), (7, -1)):
+                await q.submit({a: va, b: vb})
+                assert (await _read(out)).tolist() == [va, vb, 2**63 - 1, 1, -(2**31)]
+            assert (await _read(other)).tolist() == [255 + 0 + 7] * 4
+            assert [type(c).__name__ for c in q._resolve({a: 1, b: 2})] == ["RunC"]
