@@ -226,11 +226,14 @@ class Queue:
         """The commands to send: variables bound -- or kept, inside a capture with no
         ``var_vals``, for the graph to bind at replay.
 
-        A queue with variables is sent in its *fused* form where its device fuses C kernels
-        (as a graph replay is): each run of consecutive C kernels becomes one native call
-        over an argument table, and new values are one numpy assignment per variable into a
-        fresh copy of that table, instead of a new command per kernel. Not while a tracer
-        records (it shows every kernel) or a graph captures (the graph fuses by itself)."""
+        A queue is sent in its *fused* form where its device fuses C kernels (as a graph
+        replay is): each run of consecutive C kernels becomes one native call over an
+        argument table, and new values are one numpy assignment per variable into a fresh
+        copy of that table, instead of a new command per kernel. A queue with variables is
+        fused from its first submit; one without from its second: once sent, each of its
+        commands keeps its native record, so a queue sent once is cheapest as built, and
+        one sent again cheapest fused. Not while a tracer records (it shows every kernel)
+        or a graph captures (the graph fuses by itself)."""
         self._check_buffers()
         capture = current_capture()
         if var_vals is None and capture is not None:
@@ -238,9 +241,7 @@ class Queue:
         fuse = capture is None and _engine.trace_hook is None
         if not self._slots:  # constants: fused from the second submit (see above)
             if fuse:
-                plan = self._fused
-                if plan is None and self._sent:
-                    plan = self._fused = fuse_batch(self._commands, set()) or False
+                plan = self._fused_form() if self._sent else None
                 self._sent = True
                 if plan:
                     return list(plan[0])
@@ -249,9 +250,7 @@ class Queue:
         last = self._last
         if last is not None and last[1] is fuse and last[0] == values:  # nothing changed
             return list(last[2])
-        plan = self._fused if fuse else False
-        if plan is None:
-            plan = self._fused = fuse_batch(self._commands, set(self._symbolic_at)) or False
+        plan = self._fused_form() if fuse else None
         if plan:
             template, slots = plan
             commands = list(template)
@@ -263,6 +262,13 @@ class Queue:
                 commands[i] = slot.build(values, var_vals, None)  # reused if unchanged
         self._last = (values, fuse, list(commands))
         return commands
+
+    def _fused_form(self) -> tuple[list[Any], list[tuple[int, Any]]] | None:
+        """The fused form (template, slots), made at its first use after the last verb;
+        None when nothing fuses."""
+        if self._fused is None:
+            self._fused = fuse_batch(self._commands, set(self._symbolic_at)) or False
+        return self._fused or None
 
     def _send(self, commands: list[Any]) -> Fence:
         return self.device._submit(

@@ -309,8 +309,9 @@ def fuse_batch(
     commands: Sequence[Any], symbolic: set[int]
 ) -> tuple[list[Any], list[tuple[int, CommandSlot | RunSlot]]] | None:
     """A built queue's commands with their runs of C kernels fused, for a queue submitted
-    with variables: the template, and the slots to build per new set of values (positions
-    in the template); None when nothing fuses. ``symbolic``: the positions of the commands
+    again or with variables: the template, and the slots to build per new set of values
+    (positions in the template; none for a queue without variables); None when nothing
+    fuses. ``symbolic``: the positions of the commands
     that hold variables. The runners are generic (``build_runner(generic=True)``): nothing
     is compiled at a submit beyond a kernel's trampoline, which its first launch needs too."""
     template: list[Any] = []
