@@ -109,11 +109,7 @@ class ParkingLot:
         has it). A non-owner is (re)listed as parked, so the owner will wake it."""
         with self._lock:
             self._waiters[waiter] = None  # listed, so producers write the eventfd
-            wake_at = self._wake_at
-            if wake_at is not None and waiter.target < wake_at.value:
-                wake_at.value = waiter.target  # native producers look here (see _rearm)
-                if self._fence is not None:
-                    self._fence()
+            self._lower_wake_at(waiter.target)
             if self._owner is None:
                 self._owner = waiter
             if self._owner is waiter:
@@ -141,6 +137,16 @@ class ParkingLot:
             heir.deliver()
         if last:
             self._finalize()
+
+    def _lower_wake_at(self, target: int) -> None:
+        """Under the lock, as a waiter lists itself: lower the wake word to ``target`` if it
+        is higher (native producers look here, see :meth:`_rearm`), then fence where a
+        lock's release is no full barrier, before the waiter reads the value."""
+        wake_at = self._wake_at
+        if wake_at is not None and target < wake_at.value:
+            wake_at.value = target
+            if self._fence is not None:
+                self._fence()
 
     def _rearm(self) -> None:
         """Under the lock, after a waiter left the list: the slot's wake word says the
@@ -298,10 +304,7 @@ class ParkingLot:
             if owner:
                 self._waiters[waiter] = None  # listed before the value is read again
                 self._owner = waiter
-                if self._wake_at is not None and target < self._wake_at.value:
-                    self._wake_at.value = target
-                    if self._fence is not None:
-                        self._fence()
+                self._lower_wake_at(target)
         if not owner:  # a thread took it in between
             await self._wait_limited(target, None, "")
             return
