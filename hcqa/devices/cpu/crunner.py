@@ -31,6 +31,7 @@ listed as well (``refs``), so a replay on other buffers rebinds them the same wa
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ import attrs
 import numpy as np
 
 from hcqa._native.compiler import CKernel, compile_c
-from hcqa.devices.buffer import array_address
+from hcqa.devices.buffer import Buffer, array_address
 
 __all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "trampoline", "wrap64"]
 
@@ -139,8 +140,6 @@ def _table(
 ) -> tuple[list[int], list[tuple[int, Any, int, int, str]], list[tuple[int, Any]], list[int]]:
     """The argument table of ``calls`` (each call's entries in turn), its symbolic entries,
     its buffer addresses, and where each call's entries start."""
-    from hcqa.devices.buffer import Buffer
-
     table: list[int] = []
     syms: list[tuple[int, Any, int, int, str]] = []
     refs: list[tuple[int, Any]] = []
@@ -219,15 +218,14 @@ void hcqa_run_generic(void **fn, const int64_t *a) {
     for (; fn[0] != 0; fn += 3) ((tramp_t)fn[0])(fn[1], a + (intptr_t)fn[2]);
 }
 """
-_generic: list[Any] = []
 
 
+@functools.cache
 def _generic_entry() -> Any:
-    if not _generic:
-        entry = compile_c(_GENERIC_SOURCE, "hcqa_run_generic").fn
-        entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        _generic.append(entry)
-    return _generic[0]
+    """``hcqa_run_generic``, compiled (and cached on disk) once per process."""
+    entry = compile_c(_GENERIC_SOURCE, "hcqa_run_generic").fn
+    entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return entry
 
 
 def _entries(e: Any) -> list[Entry] | None:
