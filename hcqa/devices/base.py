@@ -396,9 +396,8 @@ class Device(Faults):
         seq = timeline.reserve()
         batch.append(_step_command(timeline, seq, None))
         for other in also:
-            batch.append(
-                cmd.Step(timeline=other._timeline, seq=other._timeline.reserve_foreign())
-            )
+            foreign = other._timeline
+            batch.append(_step_command(foreign, foreign.reserve_foreign(), None))
         return seq
 
     # -- host copies ------------------------------------------------------------------------

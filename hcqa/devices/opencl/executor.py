@@ -321,7 +321,7 @@ class ClExecutor:
                     native = False  # what follows waits for the pump
                     last = len(books) > 1 and book is books[-2]  # only a step follows
                     foreign = self._foreign_step(books[-1], words) if last else None
-                    if foreign is not None:  # a transfer's step on another OpenCL device
+                    if foreign is not None:  # a transfer's step on the other device
                         seg.foreign = foreign
                         words[runtime.NSTORES] = n
                         return left
