@@ -14,8 +14,22 @@ its launch record (``ClProgram.record``) on the command, so a resubmitted one is
 driver call; the copies call PyOpenCL's native entry points directly. Every command's event is
 kept until its segment completes: PoCL 3 aborts the process when it marks an event the
 application already released as failed (a command behind one the driver failed). ``Wait``
-never reaches an executor: the queue actor awaits it on the loop and only then hands over what
-follows (host gating).
+reaches the executor only as a :class:`Gate`, see below; any other Wait the queue actor awaits on
+the loop and only then hands over what follows (host gating).
+
+Waits the driver keeps: a Wait on the queue signal of an OpenCL queue in the same context (this
+device's other queue, or another hcqa device's on the same platform) whose producing command is
+already enqueued needs no host: :meth:`ClExecutor.hold` finds the producer's segment (the first
+pending one that sets its queue signal to the value or beyond) and returns a :class:`Gate`
+holding its event, which the actor puts in the run in the Wait's place. The next driver
+command enqueued after it takes the event in its wait list (a marker does, when a ``Signal``,
+``Step`` or ``Timestamp`` comes first); a gate at the end of a run waits for the next run's
+first command. The host still gates everything else: a producer not yet enqueued (behind a
+host wait of its own), a signal set by the host, another process, a cpu device or another
+context. Semantics are those of the host wait (``>=`` on the 64-bit value: the producer's
+queue signal only grows). A producer that fails in the driver fails the commands waiting on it
+(OpenCL propagates the error status); the waiter's fault is then the producer's fault, the very
+instance (:meth:`ClExecutor.fail` has the producer's device find its failure first).
 
 What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
 collected into a *segment* that ends at the last driver command before it (or at a marker,
@@ -65,7 +79,7 @@ from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
 
-__all__ = ["ClExecutor", "Segment"]
+__all__ = ["ClExecutor", "Gate", "Segment"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
@@ -73,10 +87,30 @@ _ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 
 
+class Gate:
+    """A Wait the driver keeps (see the module doc): the commands after it wait for
+    ``segment`` of the ``producer`` queue, whose ``event`` completes once its queue signal
+    reached ``value`` or more (``event`` None: the producer is this queue, in order)."""
+
+    __slots__ = ("event", "producer", "segment", "signal", "value")
+
+    def __init__(
+        self, event: Any, producer: ClExecutor, segment: Segment, signal: Signal, value: int
+    ):
+        self.event = event
+        self.producer = producer
+        self.segment = segment
+        self.signal = signal
+        self.value = value
+
+
 class Segment:
     """Driver commands up to ``event`` and the work to do once it completed."""
 
-    __slots__ = ("address", "books", "event", "flows", "foreign", "keep", "traced", "what", "words")
+    __slots__ = (
+        "address", "books", "event", "flows", "foreign", "gates", "keep", "own", "traced",
+        "what", "words",
+    )  # fmt: skip
 
     def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
         self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
@@ -89,6 +123,8 @@ class Segment:
         self.words: Any = None
         self.address = 0
         self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
+        self.own = 0  # the value it sets its queue's signal to (0: none): what Gates look for
+        self.gates: list[Gate] | None = None  # the driver-kept waits its commands wait for
 
 
 class ClExecutor:
@@ -120,6 +156,36 @@ class ClExecutor:
         self._native = runtime.native()
         self._low = self._cl._cl  # the driver calls themselves (PyOpenCL's native module)
         self._launch = self._low.enqueue_nd_range_kernel
+        self._gate: list[Gate] | None = None  # Gates the next driver command waits for
+        self._own: Signal | None = None  # this queue's signal (set by the device at start)
+
+    # -- waits the driver keeps -------------------------------------------------------------
+
+    def hold(self, signal: Signal, value: int) -> Gate | None:
+        """A :class:`Gate` for ``Wait(signal, value)`` when the driver can keep it (see the
+        module doc), else None: the host must gate it."""
+        producer = runtime.producers.get(signal)
+        if producer is None or self.error is not None or producer.error is not None:
+            return None
+        if producer.device.context is not self.device.context:
+            return None
+        pending = producer.pending
+        found: Segment | None = None
+        i = len(pending) - 1
+        while i >= 0:  # values grow left to right: the last few are the likely ones
+            try:
+                seg = pending[i]
+            except IndexError:  # (another thread's put can't shrink it; be safe anyway)
+                break
+            own = seg.own
+            if own:
+                if own < value:
+                    break
+                found = seg
+            i -= 1
+        if found is None:  # not enqueued yet (or completed and broken): the host gates
+            return None
+        return Gate(None if producer is self else found.event, producer, found, signal, value)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -185,6 +251,8 @@ class ClExecutor:
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
+        gates: list[Gate] | None = None  # the Gates this segment's commands waited for
+        gate = self._gate  # Gates the next driver command waits for (None: none)
         last: Any = None
         what = ""
         queue, launch = self.queue, self._launch
@@ -196,17 +264,49 @@ class ClExecutor:
                 self._skip(run[i:], self.error)
                 break
             kind = type(c)
+            if gate is not None and (kind is _SIGNAL or kind is _STEP or kind is _STAMP):
+                # what follows a driver-kept wait completes after it: a marker that waits
+                if books:
+                    self._close(last, books, keep, what, traced, flows, gates)
+                    books, keep, last, gates = [], [], None, None
+                    traced, flows = ([] if traced is not None else None), None
+                if not keep:
+                    keep.append(run)
+                gates = gate if gates is None else gates + gate
+                wait_for = [g.event for g in gate if g.event is not None] or None
+                gate = None
+                try:
+                    last = self._low._enqueue_marker_with_wait_list(queue, wait_for)
+                except BaseException as exc:
+                    self._on_fault(None, exc)
+                    self._skip(run[i:], self.error)
+                    keep = []
+                    break
+                keep.append(last)
             if kind is _EXEC or kind is _COPY or kind is _LOAD:
                 if books:
-                    self._close(last, books, keep, what, traced, flows)
-                    books, keep, last = [], [], None
+                    self._close(last, books, keep, what, traced, flows, gates)
+                    books, keep, last, gates = [], [], None, None
                     traced, flows = ([] if traced is not None else None), None
                 if not keep:
                     keep.append(run)  # the commands (their buffers) until the segment completes
                 first, mark = c, len(keep)
                 try:
-                    if kind is not _EXEC:
-                        last = self._enqueue(c, keep)
+                    if gate is not None:  # the first command after Gates waits for them
+                        wait_for = [g.event for g in gate if g.event is not None] or None
+                        gates = gate if gates is None else gates + gate
+                        gate = None
+                        if kind is _EXEC:
+                            rec = self._record(c)
+                            last = launch(queue, rec[0], rec[1], rec[2], None, wait_for)
+                        else:
+                            last = self._enqueue(c, keep, wait_for)
+                        keep.append(last)
+                        mark = len(keep) - 1
+                        if traced is not None:
+                            traced.append((c, last))
+                    elif kind is not _EXEC:
+                        last = self._enqueue(c, keep, None)
                         keep.append(last)  # PoCL touches failed events' successors: keep all
                         mark = len(keep) - 1
                         if traced is not None:
@@ -221,9 +321,8 @@ class ClExecutor:
                             c = run[i]
                             rec = c.native
                             if rec is None:
-                                rec = c.program.record(c)
-                                object.__setattr__(c, "native", rec)
-                            if rec[3] is not c.program.cl_args:
+                                rec = self._record(c)
+                            elif rec[3] is not c.program.cl_args:
                                 c.program.set_args(rec[3])
                             last = launch(queue, rec[0], rec[1], rec[2])
                             append(last)
@@ -254,17 +353,46 @@ class ClExecutor:
                     starts.append(c.signal)
                 else:
                     books.append(("stamp", c.signal, None, False))
+            elif kind is Gate:  # a Wait the driver keeps: the next command waits for it
+                if starts:  # Timestamps before the wait: taken before it, at this segment's end
+                    books.extend(("stamp", s, None, False) for s in starts)
+                    starts = []
+                gate = [c] if gate is None else [*gate, c]
             elif kind is not _BARRIER:  # (an in-order queue orders memory at command ends)
                 unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
                 self._on_fault(c, unknown)
                 self._skip(run[i:], self.error)
                 break
             i += 1
+        self._gate = gate if self.error is None else None
         books.extend(("stamp", s, None, False) for s in starts)
+        self._end(last, books, keep, what, traced, flows, gates)
+
+    def _end(
+        self,
+        last: Any,
+        books: list[tuple[Any, ...]],
+        keep: list[Any],
+        what: str,
+        traced: list[tuple[Any, Any]] | None,
+        flows: Any,
+        gates: list[Gate] | None,
+    ) -> None:
+        """A run's end: close its last segment, flush, tidy."""
         if books or keep:
-            self._close(last, books, keep, what, traced, flows)
+            self._close(last, books, keep, what, traced, flows, gates)
         self.queue.flush()
         self.device._tidy(self)  # segments the callback finished without waking the pump
+
+    def _record(self, c: Any) -> Any:
+        """``c``'s launch record (made at its first launch), its arguments set on the kernel."""
+        rec = c.native
+        if rec is None:
+            rec = c.program.record(c)
+            object.__setattr__(c, "native", rec)
+        if rec[3] is not c.program.cl_args:
+            c.program.set_args(rec[3])
+        return rec
 
     def _close(
         self,
@@ -274,12 +402,18 @@ class ClExecutor:
         what: str,
         traced: list[tuple[Any, Any]] | None = None,
         flows: Any = None,
+        gates: list[Gate] | None = None,
     ) -> None:
         """End a segment at ``event`` (a marker when None) and register its callback."""
         if event is None:
             event = self._low._enqueue_marker(self.queue)
             what = what or "marker"
         seg = Segment(event, books, keep, what)
+        own = self._own
+        for book in books:  # (two or three books: the queue signal is among the last)
+            if book[1] is own and book[0] == "signal":
+                seg.own = book[2]
+        seg.gates = gates
         seg.words, seg.address = words, _ = self.device._slots.take()
         if traced is not None:  # the pump sets every signal after recording its producer
             seg.traced, seg.flows = traced, flows
@@ -368,46 +502,55 @@ class ClExecutor:
             self._close(None, [], [], "marker")
             self.queue.flush()
 
-    def _enqueue(self, c: Any, keep: list[Any]) -> Any:
-        """A copy or a load: its driver command's event (``keep`` gets what it touches)."""
+    def _enqueue(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
+        """A copy or a load, after the events ``wait_for``: its driver command's event
+        (``keep`` gets what it touches)."""
         kind = type(c)
         if kind is _COPY:
-            return self._copy(c.dest, c.src, c.nbytes, keep)
-        return self._load(c, keep)
+            return self._copy(c.dest, c.src, c.nbytes, keep, wait_for)
+        return self._load(c, keep, wait_for)
 
-    def _copy(self, dest: Any, src: Any, n: int, keep: list[Any]) -> Any:
+    def _copy(
+        self, dest: Any, src: Any, n: int, keep: list[Any], wait_for: list[Any] | None
+    ) -> Any:
         """The driver's own entry points, not ``pyopencl.enqueue_copy`` (which dispatches on
         its arguments' types in Python first): a host end is a non-blocking write or read."""
         low = self._low
         d_mem, s_mem = _device_memory(dest), _device_memory(src)
         if d_mem is not None and s_mem is not None:
             if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
-                if dest.offset == src.offset:
-                    return low._enqueue_marker(self.queue)  # a copy onto itself: nothing to move
+                if dest.offset == src.offset:  # a copy onto itself: nothing to move
+                    return low._enqueue_marker_with_wait_list(self.queue, wait_for)
                 bounce = self._cl.Buffer(self.device.context, self._cl.mem_flags.READ_WRITE, n)
                 keep.append(bounce)
-                low._enqueue_copy_buffer(self.queue, s_mem.clbuf, bounce, n, src.offset, 0, None)
+                keep.append(
+                    low._enqueue_copy_buffer(
+                        self.queue, s_mem.clbuf, bounce, n, src.offset, 0, wait_for
+                    )
+                )
                 return low._enqueue_copy_buffer(
                     self.queue, bounce, d_mem.clbuf, n, 0, dest.offset, None
                 )
             return low._enqueue_copy_buffer(
-                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, None
+                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, wait_for
             )
         if d_mem is not None:
             host = _host_array(src, n)
             nanny = low._enqueue_write_buffer(
-                self.queue, d_mem.clbuf, host, dest.offset, None, False
+                self.queue, d_mem.clbuf, host, dest.offset, wait_for, False
             )
         elif s_mem is not None:
             host = _host_array(dest, n)
-            nanny = low._enqueue_read_buffer(self.queue, s_mem.clbuf, host, src.offset, None, False)
+            nanny = low._enqueue_read_buffer(
+                self.queue, s_mem.clbuf, host, src.offset, wait_for, False
+            )
         else:
             raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
         keep.append(host)
         keep.append(nanny)  # dropped only once completed (its destructor would block)
         return nanny
 
-    def _load(self, c: Any, keep: list[Any]) -> Any:
+    def _load(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
         mem = _device_memory(c.dest)
         assert mem is not None
         start = c.offset - c.offset % _ADDRESS_ALIGN
@@ -421,7 +564,7 @@ class ClExecutor:
             os.close(fd)
         host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
         nanny = self._low._enqueue_write_buffer(
-            self.queue, mem.clbuf, host, c.dest.offset, None, False
+            self.queue, mem.clbuf, host, c.dest.offset, wait_for, False
         )
         keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
         return nanny
@@ -470,6 +613,8 @@ class ClExecutor:
         offset = self.device.clock_offset_ns()
         if seg.flows:
             track.pending = seg.flows
+        if seg.gates:  # driver-kept waits: arrows from their producers' last ranges
+            track.pending = [*(track.pending or ()), *_sources(hook, seg.gates)]
         for command, event in seg.traced or ():
             profile = event.profile
             hook._range(track, command, profile.start + offset, profile.end + offset, None)
@@ -479,13 +624,17 @@ class ClExecutor:
 
     def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
         """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
-        (``called_back``: False when its callback never ran and never will)."""
-        fault = DeviceFault(
-            f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
-            f"driver reported execution status {status} for it",
-            device=self.device.name,
-            queue=self.kind,
-        )
+        (``called_back``: False when its callback never ran and never will). A segment that
+        waited for another queue's commands in the driver (Gates) failed because they did,
+        when one of them did: the fault is then the producer's own, the same instance."""
+        fault = self._producers_fault(seg)
+        if fault is None:
+            fault = DeviceFault(
+                f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
+                f"driver reported execution status {status} for it",
+                device=self.device.name,
+                queue=self.kind,
+            )
         self.device._fault(fault)
         for book in seg.books:
             if book[0] == "signal":
@@ -495,6 +644,39 @@ class ClExecutor:
         if seg.foreign is not None and not called_back:  # the other device may close
             tl, seq = seg.foreign
             tl._native.tl_complete(tl.c_address, seq, 1)
+
+    def _producers_fault(self, seg: Segment) -> BaseException | None:
+        """The fault of a producer ``seg`` waited for in the driver: its device's sticky
+        error, once that device has looked for failures among its pending commands."""
+        for gate in seg.gates or ():
+            producer = gate.producer
+            if producer is self:
+                continue
+            owner = producer.device
+            if owner._error is None:
+                owner._check_failed([producer])  # a failure found here faults the producer
+            if owner._error is not None:
+                return owner._error
+        return None
+
+
+def _sources(hook: Any, gates: list[Gate]) -> list[tuple[int, int, int, int]]:
+    """Flow sources (pid, tid, start, end on the host clock) of ``gates``' producers: the
+    range their producing segment's last command drew (or will draw) in the trace."""
+    out = []
+    for gate in gates:
+        traced = gate.segment.traced
+        if not traced or gate.event is None:  # untraced, or this queue's own (no arrow)
+            continue
+        try:
+            profile = traced[-1][1].profile
+            offset = gate.producer.device.clock_offset_ns()
+            t0, t1 = int(profile.start) + offset, int(profile.end) + offset
+        except Exception:  # a failed producer has no times: no arrow
+            continue
+        track = hook._engines.get(gate.producer) or hook._track(gate.producer)
+        out.append((track.pid, track.tid, t0, t1))
+    return out
 
 
 def _device_memory(end: Any) -> ClMemory | None:
