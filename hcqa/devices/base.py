@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import numpy.typing as npt
+import trio
 
 from hcqa import aio
 from hcqa import commands as cmd
