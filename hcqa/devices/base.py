@@ -74,6 +74,7 @@ from hcqa.errors import (
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
+    from hcqa.devices.fusion import FusedRun
     from hcqa.queue import Queue
 
 __all__ = ["Device", "DeviceStatistics"]
@@ -104,7 +105,7 @@ class Device(Faults, HostCopies, Lifetime):
 
     kind: ClassVar[str] = "?"
     # True where running a C kernel is exactly calling it on the host: engines then call an
-    # Exec's ready native call directly, and graphs may fuse runs of C kernels.
+    # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
     # hcqa`` imports it): the device core sits below the builder and never imports it.
@@ -185,6 +186,21 @@ class Device(Faults, HostCopies, Lifetime):
         inline on the caller's thread (see ``actor.py``): only what surely takes a few
         tens of microseconds. None by default."""
         return False
+
+    # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
+        submitted again then send each run of such launches as one command, made by
+        :meth:`_fuse`. None by default."""
+        return False
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
+        """One command that runs every launch of ``run`` (two or more, each
+        :meth:`_fusable`, in a row on one queue), in order: a
+        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
+        made at a queue's submit, on the caller's task (compile nothing)."""
+        raise NotImplementedError
 
     # -- public surface --------------------------------------------------------------------
 
