@@ -57,13 +57,15 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer, check_size, hazard_waits, typed_size
+from hcqa.devices.buffer import Buffer, hazard_waits
+from hcqa.devices.builder import QueueBuilder
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
 from hcqa.devices.hostcopies import HostCopies
 from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program, check_flags
+from hcqa.devices.sizes import check_size, typed_size
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
@@ -75,7 +77,6 @@ from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
     from hcqa.devices.fusion import FusedRun
-    from hcqa.queue import Queue
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -108,8 +109,9 @@ class Device(Faults, HostCopies, Lifetime):
     # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
-    # hcqa`` imports it): the device core sits below the builder and never imports it.
-    _queue_class: ClassVar[Callable[[Device, str], Queue]]
+    # hcqa`` imports it): the device core sits below the builder and names it only through
+    # the QueueBuilder protocol (``builder.py``).
+    _queue_class: ClassVar[Callable[[Device, str], QueueBuilder]]
     # True where a buffer's ``va_addr`` is host memory any thread may read and write (cpu);
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
@@ -358,11 +360,11 @@ class Device(Faults, HostCopies, Lifetime):
             "flags": check_flags(flags),
         }
 
-    def compute_queue(self) -> Queue:
+    def compute_queue(self) -> QueueBuilder:
         """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
         return Device._queue_class(self, "compute")
 
-    def copy_queue(self) -> Queue:
+    def copy_queue(self) -> QueueBuilder:
         """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
         return Device._queue_class(self, "copy")
 

@@ -42,8 +42,9 @@ import attrs
 import numpy as np
 
 from hcqa._native.compiler import CKernel, compile_c
-from hcqa.devices.buffer import Buffer, array_address
+from hcqa.devices.buffer import Buffer
 from hcqa.devices.fusion import FusedRun
+from hcqa.devices.hostarrays import array_address
 from hcqa.errors import InvalidCommand
 
 __all__ = ["RunC", "build_runner", "entries", "generic_entry", "trampoline", "wrap64"]

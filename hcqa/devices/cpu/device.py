@@ -45,8 +45,9 @@ from hcqa.actors import Executor
 from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, array_address
+from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
+from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
