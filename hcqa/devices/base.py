@@ -42,6 +42,7 @@ that instance; later enqueues raise it, later waits raise it (``faults.py``).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import stat
@@ -62,7 +63,7 @@ from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, type
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
-from hcqa.devices.program import Program
+from hcqa.devices.program import Program, check_flags
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
@@ -158,7 +159,9 @@ class Device(Faults):
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         """Build a program from ``src`` now (options: ``entry``, ``writes``, ``reads``,
-        ``geometry``); refuse what this backend can't run with :class:`InvalidCommand`."""
+        ``geometry``, ``flags``: a checked tuple of str); refuse what this backend can't
+        run with :class:`InvalidCommand`. May run in a worker thread (``program_async``):
+        touch nothing the loop's thread changes."""
         raise NotImplementedError
 
     def _executor(self, kind: str) -> Executor:
@@ -266,20 +269,80 @@ class Device(Faults):
         writes: Sequence[int] | None = None,
         reads: Sequence[int] | None = None,
         geometry: bool = False,
+        flags: Sequence[str] = (),
     ) -> Program:
         """A program from a Python callable or C source (``entry`` names the function).
 
+        Builds on the calling thread: a cold C compile or OpenCL build blocks the event
+        loop for as long as it takes (tens of milliseconds to seconds). In async code use
+        :meth:`program_async`, which builds in a worker thread; this form is for scripts.
+
         ``geometry=True`` (C only): the kernel's last six ``int`` parameters receive the
         launch geometry ``gx, gy, gz, lx, ly, lz`` (a Python kernel declares keyword-only
-        ``global_size`` / ``local_size`` instead)."""
+        ``global_size`` / ``local_size`` instead).
+
+        ``flags``: compiler flags for this program, a tuple of str -- C flags for a
+        ``cpu:N`` C kernel (after hcqa's own ``-std=c11 -shared -fPIC -O2``, so a later
+        ``-O3`` or ``-std=`` wins; part of the on-disk cache key), OpenCL build options
+        for ``opencl:N``. Refused for a Python callable."""
+        options = self._program_options(name, entry, writes, reads, geometry, flags)
+        return self._make_program(name, src, **options)
+
+    async def program_async(
+        self,
+        name: str,
+        src: Any,
+        *,
+        entry: str | None = None,
+        writes: Sequence[int] | None = None,
+        reads: Sequence[int] | None = None,
+        geometry: bool = False,
+        flags: Sequence[str] = (),
+    ) -> Program:
+        """:meth:`program`, built in a worker thread: the event loop keeps running through
+        a cold compile or build (also what a fused queue's first submit would load). The
+        arguments are checked first, on the caller's task. A cancellation waits for the
+        build already running (a compiler is not interrupted) and then raises."""
+        if aio.asyncio_caller():
+            return await aio.call(
+                self.program_async,
+                name,
+                src,
+                entry=entry,
+                writes=writes,
+                reads=reads,
+                geometry=geometry,
+                flags=flags,
+            )
+        options = self._program_options(name, entry, writes, reads, geometry, flags)
+        build = functools.partial(self._make_program, name, src, **options)
+        prog = await trio.to_thread.run_sync(build)
+        self._check_usable()  # closed or faulted while it built
+        return prog
+
+    def _program_options(
+        self,
+        name: object,
+        entry: object,
+        writes: Sequence[int] | None,
+        reads: Sequence[int] | None,
+        geometry: bool,
+        flags: object,
+    ) -> dict[str, Any]:
+        """``program()``'s arguments checked (``InvalidCommand``), as ``_make_program``'s
+        options."""
         self._check_usable()
         if entry is not None and (not isinstance(entry, str) or not entry):
             raise InvalidCommand(f"'entry' must be a non-empty str or None (got {entry!r})")
         if not isinstance(name, str) or not name:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
-        return self._make_program(
-            name, src, entry=entry, writes=writes, reads=reads, geometry=geometry
-        )
+        return {
+            "entry": entry,
+            "writes": writes,
+            "reads": reads,
+            "geometry": geometry,
+            "flags": check_flags(flags),
+        }
 
     def compute_queue(self) -> Queue:
         """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from hcqa._native.compiler import CKernel
     from hcqa.devices.base import Device
 
-__all__ = ["Program", "check_return"]
+__all__ = ["Program", "check_flags", "check_return"]
 
 
 def _int_range(ctype: type) -> tuple[int, int]:
@@ -140,6 +140,20 @@ def check_return(name: str, got: object, written: Sequence[Any]) -> None:
         "returned, which hcqa drops): write `out[...] = result`, or pass `out=out` to the "
         "numpy call"
     )
+
+
+def check_flags(flags: object) -> tuple[str, ...]:
+    """``program(..., flags=)`` checked: a tuple or list of str without NUL."""
+    if not isinstance(flags, (tuple, list)):
+        raise InvalidCommand(
+            f"'flags' must be a tuple of str compiler flags (got {type(flags).__name__})"
+        )
+    for f in flags:
+        if not isinstance(f, str):
+            raise InvalidCommand(f"'flags' must hold str (got {type(f).__name__}: {f!r})")
+        if not f or "\0" in f:
+            raise InvalidCommand(f"'flags' must hold non-empty str without NUL (got {f!r})")
+    return tuple(flags)
 
 
 def _size3(name: str, value: object) -> tuple[IntLike, IntLike, IntLike]:

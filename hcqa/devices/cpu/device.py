@@ -46,7 +46,7 @@ from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, array_address
-from hcqa.devices.cpu.crunner import RunC, trampoline, wrap64
+from hcqa.devices.cpu.crunner import RunC, generic_entry, trampoline, wrap64
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program, check_return
 from hcqa.errors import InvalidCommand
@@ -127,16 +127,23 @@ class CpuDevice(Device):
         **options: Any,
     ) -> Program:
         entry, writes, reads = options["entry"], options["writes"], options["reads"]
-        geometry = options.get("geometry", False)
+        geometry, flags = options.get("geometry", False), options.get("flags", ())
         if callable(src):
             if entry is not None:
                 raise InvalidCommand("'entry' is for C source only (got a Python callable)")
+            if flags:
+                raise InvalidCommand(
+                    f"'flags' is for C source only (got {flags!r} for a Python callable)"
+                )
             return Program(self, name, fn=src, writes=writes, reads=reads, geometry=geometry)
         if isinstance(src, str):
-            kernel = compile_c(src, entry if entry is not None else name)
+            kernel = compile_c(src, entry if entry is not None else name, flags=("-O2", *flags))
             prog = Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
-            if isinstance(self.compute.engine, LaneEngine):  # compiled here, not at a launch
-                prog.trampoline = trampoline(kernel)
+            # What a launch would otherwise compile or load on the caller's thread: the
+            # kernel's trampoline (a native lane's call, a generic runner's) and the generic
+            # runner itself (a fused queue's first submit) -- here, in program_async's thread.
+            prog.trampoline = trampoline(kernel)
+            generic_entry()
             return prog
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"

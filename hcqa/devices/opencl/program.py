@@ -58,8 +58,11 @@ def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -
     raise InvalidCommand("an OpenCL kernel runs on its device only, never on the host")
 
 
-def build(device: ClHost, name: str, src: Any, entry: str | None) -> tuple[Any, list[Any]]:
-    """Build ``src`` for the device; (kernel, [(param name, numpy type or None)])."""
+def build(
+    device: ClHost, name: str, src: Any, entry: str | None, flags: Sequence[str] = ()
+) -> tuple[Any, list[Any]]:
+    """Build ``src`` for the device with build options ``flags`` (after hcqa's own
+    ``-cl-kernel-arg-info``); (kernel, [(param name, numpy type or None)])."""
     from hcqa.devices.opencl.runtime import cl
 
     pyopencl = cl()
@@ -73,7 +76,7 @@ def build(device: ClHost, name: str, src: Any, entry: str | None) -> tuple[Any, 
     entry = entry if entry is not None else name
     prg = pyopencl.Program(device.context, src)
     try:
-        prg.build(options=["-cl-kernel-arg-info"], devices=[device.cl_device])
+        prg.build(options=["-cl-kernel-arg-info", *flags], devices=[device.cl_device])
     except pyopencl.Error as exc:
         try:
             log = prg.get_build_info(device.cl_device, pyopencl.program_build_info.LOG).strip()
