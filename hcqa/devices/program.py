@@ -327,6 +327,10 @@ class Program:
                         f"(got {v})"
                     )
 
+    def check_buffers(self, bufs: Sequence[Buffer]) -> None:
+        """Refuse buffers this kernel can't take as arguments (a backend's rule: an OpenCL
+        view's alignment); checked at each call and for each buffer a replay rebinds."""
+
     def c_args(
         self,
         bufs: Sequence[Buffer],
