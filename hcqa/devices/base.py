@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import functools
 import mmap
-import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -59,16 +57,17 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
+from hcqa.devices.buffer import Buffer, check_size, hazard_waits, typed_size
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
+from hcqa.devices.hostcopies import HostCopies
+from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program, check_flags
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
     DeviceClosed,
-    HcqaError,
     InvalidCommand,
     QueueFull,
 )
@@ -100,7 +99,7 @@ class DeviceStatistics:
     closed: bool
 
 
-class Device(Faults):
+class Device(Faults, HostCopies, Lifetime):
     """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
     kinds)."""
 
@@ -117,7 +116,7 @@ class Device(Faults):
     host_memory: ClassVar[bool] = True
     # True where what the executor caches on an Exec (``Exec.native``) describes the call
     # alone and holds no memory (the cpu lane's records): a program's launch record then
-    # hands it to its repeat calls (``program._Launch``), which a record keeping memory
+    # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
     # objects alive must not.
     shares_native: ClassVar[bool] = False
 
@@ -463,120 +462,3 @@ class Device(Faults):
             foreign = other._timeline
             batch.append(_step_command(foreign, foreign.reserve_foreign(), None))
         return seq
-
-    # -- host copies ------------------------------------------------------------------------
-
-    def _copyin(self, buf: Buffer, src: Any) -> Fence:
-        buf._check()
-        host = host_ref(src, buf, writable=False)
-        command = _copy_command(buf, host, buf.nbytes, None)
-        return self._submit(self.copy, [command], writes=[buf], waits=False)
-
-    def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
-        """``on_compute``: on the compute queue where it takes host copies (see
-        ``_copyout_queue``), else on the copy queue."""
-        buf._check()
-        host = host_ref(dest, buf, writable=True)
-        command = _copy_command(host, buf, buf.nbytes, None)
-        queue = self._copyout_queue(on_compute)
-        return self._submit(queue, [command], reads=[buf], waits=False)
-
-    def _copyout_queue(self, on_compute: bool) -> QueueActor:
-        """The queue a copy-out runs on: the compute queue when asked for and
-        ``_copies_on_compute``, else the copy queue."""
-        return self.compute if on_compute and self._copies_on_compute() else self.copy
-
-    def _copies_on_compute(self) -> bool:
-        """Whether the compute queue's executor also runs host copies (``Copy`` commands
-        between a buffer and a host array). A pipeline then copies its last stage's output
-        out right behind the kernel on that queue, instead of on the copy engine, where it
-        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``)."""
-        return False
-
-    def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
-        buf._check()
-        offset = check_size("offset", offset)
-        n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
-        if n > buf.nbytes:
-            raise InvalidCommand(f"'nbytes' must be <= the buffer's {buf.nbytes} bytes (got {n})")
-        try:  # opened now, so a file the engine could not read is refused here
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise InvalidCommand(
-                f"load: {path!r} must be a readable file (got: {exc.strerror})"
-            ) from exc
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidCommand(f"load: {path!r} must be a regular file (got {_file_kind(st)})")
-        size = st.st_size
-        if offset + n > size:
-            raise InvalidCommand(
-                f"load: {path!r} must hold offset + nbytes = {offset + n} bytes (got {size})"
-            )
-        command = cmd.Load(dest=buf, path=path, offset=offset, nbytes=n)
-        return self._submit(self.copy, [command], writes=[buf])
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    async def _start(self, nursery: trio.Nursery) -> None:
-        await nursery.start(self.compute.run)
-        await nursery.start(self.copy.run)
-
-    def _cancel(self) -> None:
-        """Abandon pending work: engines skip what they have not started."""
-        closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
-        for actor in self._queues.values():
-            if actor.engine.error is None:
-                actor.engine.error = closed
-
-    async def _close_input(self) -> None:
-        self._closing = True
-        for actor in self._queues.values():
-            await actor.close_input()
-
-    async def _wait_foreign(self) -> None:
-        """Wait (shielded, within the hang limit) until other devices' engines have
-        completed every step that reads this device's memory."""
-        tl = self._timeline
-        if tl.foreign_done.value >= tl.foreign_reserved:
-            return
-        with trio.CancelScope(shield=True):
-            try:
-                await tl.foreign_done._wait_limited(
-                    tl.foreign_reserved, self.hang_limit, f"{self.name} closing", observe=False
-                )
-            except HcqaError:
-                self._hung = True
-                self._still_read = True  # by a stuck device: keep the memory mapped
-
-    def _release(self) -> None:
-        """Close signals and memory once the actors are done (threads joined)."""
-        self._closing = True
-        self._closed = True
-        if self._still_read or any(a.engine.alive for a in self._queues.values()):
-            self._hung = True
-            return  # a stuck engine may still write our memory and signals: leave them
-        self._timeline.close()
-        for actor in self._queues.values():
-            actor.engine.join(0)  # closes its doorbell (also for a never-started engine)
-            actor.signal.close()
-            actor.engine.exited.close()
-        self.allocator.close()
-        for mem in list(self._shared):
-            mem.close()
-
-
-def _file_kind(st: os.stat_result) -> str:
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(st.st_mode):
-            return kind
-    return "not a regular file"

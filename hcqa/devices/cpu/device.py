@@ -24,7 +24,7 @@ copy engine's two thread wake-ups would cost. A host array that maps a file
 (``np.memmap``, an ``mmap``) is copied by the engine: its page faults may wait for the
 disk. A kernel never runs on the caller's thread unless the device was opened with
 ``inline_kernels=True``; then a C kernel's repeat call does once it was measured short
-(``program._Launch``): at most 20 us in each of three calls in a row.
+(``launch._Launch``): at most 20 us in each of three calls in a row.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ class CpuDevice(Device):
         the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
         wake-ups the copy engine would cost (and no longer than the event loop may be held)
         -- unless a host end maps a file, whose page faults may wait for the disk. A C
-        kernel's repeat calls once measured short (``program._Launch``) only when the
+        kernel's repeat calls once measured short (``launch._Launch``) only when the
         device was opened with ``inline_kernels=True``."""
         if type(command) is cmd.Exec:
             return command.inline and self.inline_kernels
