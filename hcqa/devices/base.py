@@ -362,11 +362,12 @@ class Device(Faults, HostCopies, Lifetime):
         }
 
     def compute_queue(self) -> QueueBuilder:
-        """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
+        """An empty :class:`hcqa.Queue` for this device's compute queue (``exec`` etc.;
+        typed by its verbs, the ``QueueBuilder`` protocol: the core sits below the builder)."""
         return Device._queue_class(self, "compute")
 
     def copy_queue(self) -> QueueBuilder:
-        """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
+        """An empty :class:`hcqa.Queue` for this device's copy queue (``copy`` etc.)."""
         return Device._queue_class(self, "copy")
 
     def timed(self, *, queue: str = "compute") -> TimedSpan:
