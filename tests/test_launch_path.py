@@ -276,7 +276,7 @@ async def _ran_on(d: hcqa.Device, prog: hcqa.Program, buf: hcqa.Buffer) -> tuple
 
 
 async def test_a_short_kernel_runs_inline_once_measured_and_stays_exact() -> None:
-    from hcqa.devices.program import INLINE_AFTER
+    from hcqa.devices.launch import INLINE_AFTER
 
     async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         buf = d.alloc(16)

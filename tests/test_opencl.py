@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -372,6 +373,8 @@ async def test_driver_failure_at_enqueue_is_a_sticky_device_fault() -> None:
         y = g.alloc(shape=(4,), dtype="int32")
         k = g.program("inc", SOURCE)
         too_many = int(g.cl_device.max_work_group_size) * 2  # the driver refuses the group
+        # (hcqa refuses it first, InvalidCommand: lift its limits so the driver sees it)
+        k._limits = attrs.evolve(k._limits, group=too_many, items=(too_many,) * 3)
         fence = k(y, local_size=(too_many, 1, 1))
         with pytest.raises(hcqa.DeviceFault, match="program 'inc' failed") as info:
             await fence

@@ -71,6 +71,7 @@ def rebind_command(c: Any, rebind: Rebind) -> Any:
     t = type(c)
     if t is cmd.Exec:
         bufs = tuple(rebind.get(b, b) for b in c.buffers)
+        c.program.check_buffers(bufs)  # a view the kernel can't take: refused before sending
         args = c.program.c_args(bufs, c.vals, c.global_size, c.local_size)
         return attrs.evolve(c, buffers=bufs, args=args)
     if t is cmd.Copy:

@@ -69,10 +69,10 @@ def check_spec(spec: MlpSpec) -> str | None:
     return None
 
 
-def _stages(
+async def _stages(
     device: hcqa.Device, params: Sequence[hcqa.Buffer], layers: range, spec: MlpSpec
 ) -> list[hcqa.Stage]:
-    prog = device.program("layer", LAYER, entry="layer")
+    prog = await device.program_async("layer", LAYER, entry="layer")  # built off the loop
     groups = (spec.hidden // TILE, spec.batch_size // TILE, 1)
     return [
         hcqa.Stage(
@@ -98,10 +98,10 @@ async def build_pipelines(
     second = await load_params(d1, path, layout, range(half, spec.layers), h)
     rest_on_d0 = await load_params(d0, path, layout, range(half, spec.layers), h)
     split = [
-        *_stages(d0, first, range(half), spec),
-        *_stages(d1, second, range(half, spec.layers), spec),
+        *await _stages(d0, first, range(half), spec),
+        *await _stages(d1, second, range(half, spec.layers), spec),
     ]
-    whole = _stages(d0, first + rest_on_d0, range(spec.layers), spec)
+    whole = await _stages(d0, first + rest_on_d0, range(spec.layers), spec)
     shape = (spec.batch_size, spec.hidden)
     return (
         hcqa.Pipeline(split, in_shape=shape, depth=depth),

@@ -42,7 +42,7 @@ from starlette.types import ASGIApp
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
-from hcqa.serve.bodies import ClientGone, InputError, dumps_array, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, InputError, dumps_array, inflate, off_loop, read_body
 from hcqa.serve.http import DISCONNECT
 from hcqa.serve.inputs import from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
@@ -142,6 +142,9 @@ class _Endpoints:
 
     async def _admitted(self, request: Request, ctype: str, body: bytes) -> Response:
         st = self.st
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:  # gzip (every member), deflate: bounded by max_body once inflated
+            body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
         big = len(body) > _OFFLOAD_BYTES
         if ctype == RAW_TYPE:
             x, single = from_raw(body, st.shape)

@@ -49,14 +49,13 @@ from starlette.routing import Route
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
-from hcqa.serve.bodies import ClientGone, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, inflate, off_loop, read_body
 from hcqa.serve.inputs import InputError
 from hcqa.serve.metrics import State
 from hcqa.serve.tensors import (
     HEADER_LENGTH,
     TensorSpec,
     encode_response,
-    inflate,
     parse_request,
 )
 

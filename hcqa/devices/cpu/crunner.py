@@ -41,7 +41,7 @@ import numpy as np
 from hcqa._native.compiler import CKernel, compile_c
 from hcqa.devices.buffer import Buffer, array_address
 
-__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "trampoline", "wrap64"]
+__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "generic_entry", "trampoline", "wrap64"]
 
 
 def _c_int_type(ctype: type) -> str:
@@ -175,7 +175,7 @@ def build_runner(
     table, syms, refs, starts = _table(calls)
     packed = np.array(table or [0], dtype=np.int64)
     if generic:
-        entry = _generic_entry()
+        entry = generic_entry()
         words: list[int | None] = []
         for (kernel, _), start in zip(calls, starts, strict=True):
             words += [trampoline(kernel), kernel.address, start]
@@ -221,7 +221,7 @@ void hcqa_run_generic(void **fn, const int64_t *a) {
 
 
 @functools.cache
-def _generic_entry() -> Any:
+def generic_entry() -> Any:
     """``hcqa_run_generic``, compiled (and cached on disk) once per process."""
     entry = compile_c(_GENERIC_SOURCE, "hcqa_run_generic").fn
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]

@@ -24,7 +24,7 @@ copy engine's two thread wake-ups would cost. A host array that maps a file
 (``np.memmap``, an ``mmap``) is copied by the engine: its page faults may wait for the
 disk. A kernel never runs on the caller's thread unless the device was opened with
 ``inline_kernels=True``; then a C kernel's repeat call does once it was measured short
-(``program._Launch``): at most 20 us in each of three calls in a row.
+(``launch._Launch``): at most 20 us in each of three calls in a row.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, array_address
-from hcqa.devices.cpu.crunner import RunC, trampoline, wrap64
+from hcqa.devices.cpu.crunner import RunC, generic_entry, trampoline, wrap64
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
@@ -127,16 +127,23 @@ class CpuDevice(Device):
         **options: Any,
     ) -> Program:
         entry, writes, reads = options["entry"], options["writes"], options["reads"]
-        geometry = options.get("geometry", False)
+        geometry, flags = options.get("geometry", False), options.get("flags", ())
         if callable(src):
             if entry is not None:
                 raise InvalidCommand("'entry' is for C source only (got a Python callable)")
+            if flags:
+                raise InvalidCommand(
+                    f"'flags' is for C source only (got {flags!r} for a Python callable)"
+                )
             return Program(self, name, fn=src, writes=writes, reads=reads, geometry=geometry)
         if isinstance(src, str):
-            kernel = compile_c(src, entry if entry is not None else name)
+            kernel = compile_c(src, entry if entry is not None else name, flags=("-O2", *flags))
             prog = Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
-            if isinstance(self.compute.engine, LaneEngine):  # compiled here, not at a launch
-                prog.trampoline = trampoline(kernel)
+            # What a launch would otherwise compile or load on the caller's thread: the
+            # kernel's trampoline (a native lane's call, a generic runner's) and the generic
+            # runner itself (a fused queue's first submit) -- here, in program_async's thread.
+            prog.trampoline = trampoline(kernel)
+            generic_entry()
             return prog
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
@@ -147,7 +154,7 @@ class CpuDevice(Device):
         the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
         wake-ups the copy engine would cost (and no longer than the event loop may be held)
         -- unless a host end maps a file, whose page faults may wait for the disk. A C
-        kernel's repeat calls once measured short (``program._Launch``) only when the
+        kernel's repeat calls once measured short (``launch._Launch``) only when the
         device was opened with ``inline_kernels=True``."""
         if type(command) is cmd.Exec:
             return command.inline and self.inline_kernels
