@@ -140,6 +140,7 @@ class FakeDriver:
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
     )
+    CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK=0)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0)
 
@@ -247,6 +248,9 @@ class FakeDriver:
     # -- modules, launches -------------------------------------------------------------------
     def cuModuleLoadData(self, image: bytes) -> tuple[int, Any]:
         return (SUCCESS, SimpleNamespace(image=image))
+
+    def cuFuncGetAttribute(self, attr: int, f: Function) -> tuple[int, int]:
+        return (SUCCESS, 1024)
 
     def cuModuleGetFunction(self, module: Any, name: bytes) -> tuple[int, Function]:
         return (SUCCESS, Function(name.decode()))

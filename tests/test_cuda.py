@@ -413,14 +413,36 @@ async def test_overlapping_copies_within_one_buffer() -> None:
 
 
 @gpu
-async def test_a_refused_launch_is_a_sticky_device_fault() -> None:
+async def test_geometry_past_cudas_limits_is_refused_before_anything_is_queued() -> None:
     async with hcqa.open_device("cuda:0") as g:
         y = g.alloc(shape=(4,), dtype="int32")
         k = g.program("inc", SOURCE)
-        fence = k(y, local_size=(4096, 1, 1))  # over 1024 threads per block: refused
+        for geo, match in (
+            ({"local_size": (64, 32, 1)}, r"must hold <= \d+ threads per block"),
+            ({"local_size": (1, 1, 65)}, r"local_size\[2\] must be <= 64"),
+            ({"global_size": (1, 65536, 1)}, r"global_size\[1\] must be <= 65535"),
+        ):
+            with pytest.raises(hcqa.InvalidCommand, match=match):
+                k(y, **geo)
+        await k(y, local_size=(4, 1, 1))  # nothing was queued: the device is healthy
+        assert (await _read(y)).tolist() == [1, 1, 1, 1]
+
+
+@gpu
+async def test_a_launch_the_driver_refuses_is_a_sticky_device_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with hcqa.open_device("cuda:0") as g:
+        y = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        await k(y)
+        ex = g.compute.engine
+        monkeypatch.setattr(ex, "_launch", lambda *args: (1,))  # CUDA_ERROR_INVALID_VALUE
+        fence = k(y, local_size=(2, 1, 1))
         with pytest.raises(hcqa.DeviceFault, match="program 'inc' failed") as info:
             await fence
         assert isinstance(info.value.__cause__, drv.CudaError)
+        assert "CUDA_ERROR_INVALID_VALUE" in str(info.value)
         with pytest.raises(hcqa.DeviceFault) as again:
             y.copyin(np.zeros(4, np.int32))
         assert again.value is info.value
@@ -551,6 +573,7 @@ async def test_graph_replays_on_other_buffers_across_cuda_devices() -> None:
 async def test_pipeline_over_a_cuda_device_and_a_cpu_device() -> None:
     n = 256
     geo = {"global_size": (n // 64, 1, 1), "local_size": (64, 1, 1)}
+
     def negate(out: Any, a: Any) -> None:
         np.negative(a, out=out)
 

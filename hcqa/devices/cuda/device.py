@@ -81,7 +81,7 @@ class CudaDevice(Device):
                       attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
         )  # fmt: skip
         self._total = int(drv.check("cuDeviceTotalMem", driver.cuDeviceTotalMem(self.cu_device)))
-        flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+        flags = int(driver.CUstream_flags.CU_STREAM_NON_BLOCKING)
         self._streams = {
             k: drv.check("cuStreamCreate", driver.cuStreamCreate(flags))
             for k in ("compute", "copy")
@@ -179,7 +179,7 @@ class CudaDevice(Device):
     def _take_event(self) -> Any:
         if self._free_events:
             return self._free_events.pop()
-        flags = self._driver.CUevent_flags.CU_EVENT_DEFAULT
+        flags = int(self._driver.CUevent_flags.CU_EVENT_DEFAULT)
         ev = drv.check("cuEventCreate", self._driver.cuEventCreate(flags))
         self._all_events.append(ev)
         return ev

@@ -263,7 +263,12 @@ class CuExecutor:
             if not seg.books and seg.end is None:
                 words[drv.WAKE] = 0  # all done by the host function: the pump finds it later
         self.pending.append(seg)
-        self._native.host_func(self.handle, self._native.complete, seg.address)
+        try:
+            self._native.host_func(self.handle, self._native.complete, seg.address)
+        except BaseException:
+            self.pending.pop()  # never enqueued: its slot is free again
+            self.device._slots.give(words, seg.address)
+            raise
 
     def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Let the host function complete what needs no Python (see the module doc), while

@@ -59,6 +59,8 @@ _CTYPES = {
     np.uint16: ctypes.c_uint16, np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32,
     np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64,
 }  # fmt: skip
+_MAX_BLOCK = (1024, 1024, 64)  # CUDA's block and grid limits (every chip since compute 3.0)
+_MAX_GRID = (2**31 - 1, 65535, 65535)
 _QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|restrict|__restrict)\b")
 _LOG_LIMIT = 4000
 
@@ -220,6 +222,33 @@ class CuProgram(Program):
         self._n_args = None
         self.writes = None if writes is None else self._positions("writes", writes)
         self.reads = None if reads is None else self._positions("reads", reads)
+        driver, _ = drv.bindings()
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        self.max_threads = int(
+            drv.check("cuFuncGetAttribute", driver.cuFuncGetAttribute(attr, function))
+        )
+
+    def check_geometry(self, global_size: Sequence[Any], local_size: Sequence[Any]) -> None:
+        """Refuse (``InvalidCommand``) a concrete geometry CUDA can't launch, before anything
+        is queued (the driver would refuse it at the launch: a sticky fault): blocks of more
+        threads than this kernel takes (its registers decide), block or grid dimensions past
+        CUDA's limits."""
+        super().check_geometry(global_size, local_size)
+        g, n = tuple(global_size), tuple(local_size)
+        if not all(type(v) is int for v in (*g, *n)):
+            return  # symbolic: checked once resolved
+        for what, dims, limits in (("local_size", n, _MAX_BLOCK), ("global_size", g, _MAX_GRID)):
+            for axis, (v, hi) in enumerate(zip(dims, limits, strict=True)):
+                if v > hi:
+                    raise InvalidCommand(
+                        f"{self.name!r} {what}[{axis}] must be <= {hi} on CUDA (got {v})"
+                    )
+        threads = n[0] * n[1] * n[2]
+        if threads > self.max_threads:
+            raise InvalidCommand(
+                f"{self.name!r} local_size must hold <= {self.max_threads} threads per block "
+                f"for this kernel on {self.device.name} (got {n}: {threads})"
+            )
 
     def validate(
         self,
