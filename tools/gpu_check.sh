@@ -51,7 +51,7 @@ else
     echo "== test_opencl: no libnvidia-opencl.so on this machine" | tee -a "$OUT/summary.txt"
 fi
 
-stage bench 60 python3 tools/cuda_bench.py --json "$OUT/bench.json"
+stage bench 60 python3 tools/cuda_bench.py
 
 # tinygrad's own CUDA device needs libnvrtc (from the nvidia-cuda-nvrtc wheel) and libcuda.
 nvrtc=$(python3 - <<'EOF'
@@ -66,5 +66,5 @@ cuda=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
 loader=$(ls /tmp/site/pyopencl/.libs/libOpenCL* 2>/dev/null | head -n 1)
 echo "tinygrad: NVRTC_PATH=$nvrtc CUDA_PATH=$cuda OPENCL_PATH=$loader" >>"$OUT/summary.txt"
 NVRTC_PATH=$nvrtc CUDA_PATH=$cuda OPENCL_PATH=$loader \
-    stage model 90 python3 tools/cuda_model.py --json "$OUT/model.json"
+    stage model 90 python3 tools/cuda_model.py
 cat "$OUT/summary.txt"
