@@ -100,7 +100,8 @@ class DeviceStatistics:
 
 
 class Device(Faults, HostCopies, Lifetime):
-    """Base class of the devices (``cpu:N``, ``cuda:N``)."""
+    """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
+    kinds)."""
 
     kind: ClassVar[str] = "?"
     # True where running a C kernel is exactly calling it on the host: engines then call an

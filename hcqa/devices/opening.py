@@ -112,7 +112,7 @@ def _options(
 @aio.rehosts
 @asynccontextmanager
 async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Device, ...]]:
-    """Open devices by spec (``"cpu:0"``, ``"cuda:1"``); yields them as a tuple.
+    """Open devices by spec (``"cpu:0"``, ``"opencl:0"``, ``"cpu:1"``); yields them as a tuple.
 
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes),

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from hcqa._native.compiler import CKernel
     from hcqa.devices.base import Device
 
-__all__ = ["Program", "check_flags"]
+__all__ = ["Program", "check_flags", "check_return"]
 
 
 def _int_range(ctype: type) -> tuple[int, int]:
@@ -107,6 +107,30 @@ def _check_plain_function(name: str, fn: Callable[..., Any]) -> None:
                     f"program {name!r} must be a plain function that does the work when "
                     f"called (got {what}: calling it would only build an object, run nothing)"
                 )
+
+
+def check_return(name: str, got: object, written: Sequence[Any]) -> None:
+    """Refuse a Python kernel's result that it *returned* instead of writing.
+
+    hcqa drops a kernel's return value, so ``return a * 2`` would leave ``out`` as it
+    was, silently. An array or a number returned is refused, unless it is (a view of) a
+    buffer the kernel writes: ``np.add(a, 1, out=out)`` returns ``out`` itself. Anything
+    else a kernel returns (``None``, ``Event.wait``'s bool, ``os.write``'s int) passes."""
+    if got is None:
+        return
+    if isinstance(got, np.ndarray):
+        if any(np.may_share_memory(got, w) for w in written):
+            return
+        what = f"an array ({got.dtype} {tuple(got.shape)})"
+    elif isinstance(got, (np.generic, float, complex)):
+        what = f"a number ({got!r})"
+    else:
+        return
+    raise InvalidCommand(
+        f"kernel {name!r} must write its result into its output buffer (got {what} "
+        "returned, which hcqa drops): write `out[...] = result`, or pass `out=out` to the "
+        "numpy call"
+    )
 
 
 def check_flags(flags: object) -> tuple[str, ...]:

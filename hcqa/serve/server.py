@@ -197,7 +197,7 @@ def _hypercorn(
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     for key, value in (options or {}).items():
         if not hasattr(config, key):
-            raise TypeError(f"hypercorn's Config has no option {key!r}")
+            raise InvalidCommand(f"hypercorn's Config has no option {key!r} (got it in 'options')")
         setattr(config, key, value)
 
     def start(app: Any, **kwargs: Any) -> Any:

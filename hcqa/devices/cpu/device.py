@@ -48,7 +48,7 @@ from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer, array_address
 from hcqa.devices.cpu.crunner import RunC, generic_entry, trampoline, wrap64
 from hcqa.devices.memory import StagingRing
-from hcqa.devices.program import Program
+from hcqa.devices.program import Program, check_return
 from hcqa.errors import InvalidCommand
 
 __all__ = ["CpuDevice"]
@@ -186,9 +186,12 @@ class CpuDevice(Device):
                     break
             if prog.geometry:  # the keyword-only sizes it declares, resolved
                 sizes = {n: getattr(c, n) for n in prog.geometry}
-                prog.fn(*arrays, *vals, **sizes)
+                got = prog.fn(*arrays, *vals, **sizes)
             else:
-                prog.fn(*arrays, *vals)
+                got = prog.fn(*arrays, *vals)
+            if got is not None:  # a result returned, not written? (see check_return)
+                written = prog.access(len(arrays))[0]
+                check_return(prog.name, got, [arrays[i] for i in written])
 
     def _staged(self, end: Any) -> bool:
         return not self.host_visible and isinstance(end, cmd.HostMemoryRef)
