@@ -95,6 +95,8 @@ def _options(
         )
     check_int("queue_depth", queue_depth, minimum=1)
     check_int("timeline_start", timeline_start, minimum=0)
+    if timeline_start >= 1 << 64:  # timeline values are unsigned 64-bit (then they wrap)
+        raise InvalidCommand(f"'timeline_start' must be <= 2**64 - 1 (got {timeline_start})")
     if memory is None:
         memory = _default_memory()
     elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
