@@ -38,7 +38,8 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.devices import backends
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.sizes import check_int
 from hcqa.errors import HcqaError, InvalidCommand
 from hcqa.signals import Fence
 

@@ -327,7 +327,7 @@ def make_app(
     state = State(
         pipeline, batcher, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
     )
-    served = [Served(name, version, state)]
+    served = [Served(name, version, state, _Endpoints)]
     for model, model_batcher in models:
         served.append(
             Served.make(
@@ -338,6 +338,7 @@ def make_app(
                 max_pending=max_pending,
                 max_body=max_body,
                 body_timeout=body_timeout,
+                endpoints=_Endpoints,
             )
         )
     v2 = V2(served, _version())
