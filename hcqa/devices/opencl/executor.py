@@ -14,37 +14,26 @@ its launch record (``ClProgram.record``) on the command, so a resubmitted one is
 driver call; the copies call PyOpenCL's native entry points directly. Every command's event is
 kept until its segment completes: PoCL 3 aborts the process when it marks an event the
 application already released as failed (a command behind one the driver failed). ``Wait``
-reaches the executor only as a :class:`Gate`, see below; any other Wait the queue actor awaits on
-the loop and only then hands over what follows (host gating).
-
-Waits the driver keeps: a Wait on the queue signal of an OpenCL queue in the same context (this
-device's other queue, or another hcqa device's on the same platform) whose producing command is
-already enqueued needs no host: :meth:`ClExecutor.hold` finds the producer's segment (the first
-pending one that sets its queue signal to the value or beyond) and returns a :class:`Gate`
-holding its event, which the actor puts in the run in the Wait's place. The next driver
-command enqueued after it takes the event in its wait list (a marker does, when a ``Signal``,
-``Step`` or ``Timestamp`` comes first); a gate at the end of a run waits for the next run's
-first command. The host still gates everything else: a producer not yet enqueued (behind a
-host wait of its own), a signal set by the host, another process, a cpu device or another
-context. Semantics are those of the host wait (``>=`` on the 64-bit value: the producer's
-queue signal only grows). A producer that fails in the driver fails the commands waiting on it
-(OpenCL propagates the error status); the waiter's fault is then the producer's fault, the very
-instance (:meth:`ClExecutor.fail` has the producer's device find its failure first).
+reaches the executor only as a :class:`~hcqa.devices.opencl.waits.Gate`, a Wait the driver
+keeps (``waits.py``: the next driver command takes the producer's event in its wait list);
+any other Wait the queue actor awaits on the loop and only then hands over what follows (host
+gating).
 
 What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
-collected into a *segment* that ends at the last driver command before it (or at a marker,
-when the run has none): the native callback is registered on that command's event with a slot
-of its own (``runtime.py``). When the device's pump (a trio task of the device, see
-``device.py``) finds the slot fired, it does the segment's work in order on the loop:
-timestamps from the events' profiling counters moved to the host clock (a ``Timestamp``
+collected into a *segment* (``completion.py``) that ends at the last driver command before
+it (or at a marker, when the run has none): the native callback is registered on that
+command's event with a slot of its own (``runtime.py``). When the device's pump (a trio task
+of the device, see ``device.py``) finds the slot fired, it does the segment's work in order
+on the loop: timestamps from the events' profiling counters moved to the host clock (a ``Timestamp``
 right before a command takes its START, any other the END of the segment's last command;
 ``Signal.timestamp`` is on the host clock for every device), signal values
 (``_set_from_engine``) and timeline steps (``Timeline.complete``). The in-order queue makes
 segments complete in the order they were enqueued, so the pump takes them from the front.
 
 The host objects a command reads or fills (the numpy array of a copy, PyOpenCL's
-``NannyEvent`` of it, a file mapping) stay referenced by the segment until its completion
-is processed: dropping a ``NannyEvent`` earlier would block the interpreter in its destructor.
+``NannyEvent`` of it, a file mapping: ``copies.py``) stay referenced by the segment until
+its completion is processed: dropping a ``NannyEvent`` earlier would block the interpreter
+in its destructor.
 
 Tracing: while a :class:`~hcqa.Tracer` records, each enqueued command keeps its event, and
 the pump adds a device range per command from its profiling START and END moved to the host
@@ -61,73 +50,26 @@ pending events when no segment completed for half the hang limit (see ``device.p
 from __future__ import annotations
 
 import collections
-import ctypes
-import mmap
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer
 from hcqa.devices.opencl import runtime
-from hcqa.devices.opencl.memory import ClMemory
-from hcqa.devices.timeline import WRAP, _value
-from hcqa.errors import DeviceFault
+from hcqa.devices.opencl.completion import Completion, Segment
+from hcqa.devices.opencl.copies import DriverCopies
+from hcqa.devices.opencl.waits import Gate, hold, wait_list
 from hcqa.signals import Signal
 
-__all__ = ["ClExecutor", "Gate", "Segment"]
+__all__ = ["ClExecutor", "Segment"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
-_ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 
 
-class Gate:
-    """A Wait the driver keeps (see the module doc): the commands after it wait for
-    ``segment`` of the ``producer`` queue, whose ``event`` completes once its queue signal
-    reached ``value`` or more (``event`` None: the producer is this queue, in order)."""
-
-    __slots__ = ("event", "producer", "segment", "signal", "value")
-
-    def __init__(
-        self, event: Any, producer: ClExecutor, segment: Segment, signal: Signal, value: int
-    ):
-        self.event = event
-        self.producer = producer
-        self.segment = segment
-        self.signal = signal
-        self.value = value
-
-
-class Segment:
-    """Driver commands up to ``event`` and the work to do once it completed."""
-
-    __slots__ = (
-        "address", "books", "event", "flows", "foreign", "gates", "keep", "own", "traced",
-        "what", "words",
-    )  # fmt: skip
-
-    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
-        self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
-        self.flows: Any = None  # a tracer's flow sources into this segment's first range
-        self.event = event
-        # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
-        self.books = books
-        self.keep = keep  # commands and host objects the driver may still touch
-        self.what = what
-        self.words: Any = None
-        self.address = 0
-        self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
-        self.own = 0  # the value it sets its queue's signal to (0: none): what Gates look for
-        self.gates: list[Gate] | None = None  # the driver-kept waits its commands wait for
-
-
-class ClExecutor:
+class ClExecutor(DriverCopies, Completion):
     """Enqueues runs on one in-order OpenCL queue; completion through the device's pump."""
 
     def __init__(
@@ -157,35 +99,11 @@ class ClExecutor:
         self._low = self._cl._cl  # the driver calls themselves (PyOpenCL's native module)
         self._launch = self._low.enqueue_nd_range_kernel
         self._gate: list[Gate] | None = None  # Gates the next driver command waits for
-        self._own: Signal | None = None  # this queue's signal (set by the device at start)
-
-    # -- waits the driver keeps -------------------------------------------------------------
+        self._own: Signal | None = None  # this queue's signal (set by the device)
 
     def hold(self, signal: Signal, value: int) -> Gate | None:
-        """A :class:`Gate` for ``Wait(signal, value)`` when the driver can keep it (see the
-        module doc), else None: the host must gate it."""
-        producer = runtime.producers.get(signal)
-        if producer is None or self.error is not None or producer.error is not None:
-            return None
-        if producer.device.context is not self.device.context:
-            return None
-        pending = producer.pending
-        found: Segment | None = None
-        i = len(pending) - 1
-        while i >= 0:  # values grow left to right: the last few are the likely ones
-            try:
-                seg = pending[i]
-            except IndexError:  # (another thread's put can't shrink it; be safe anyway)
-                break
-            own = seg.own
-            if own:
-                if own < value:
-                    break
-                found = seg
-            i -= 1
-        if found is None:  # not enqueued yet (or completed and broken): the host gates
-            return None
-        return Gate(None if producer is self else found.event, producer, found, signal, value)
+        """A Gate for ``Wait(signal, value)`` when the driver can keep it (``waits.py``)."""
+        return hold(self, signal, value)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -273,7 +191,7 @@ class ClExecutor:
                 if not keep:
                     keep.append(run)
                 gates = gate if gates is None else gates + gate
-                wait_for = [g.event for g in gate if g.event is not None] or None
+                wait_for = wait_list(gate)
                 gate = None
                 try:
                     last = self._low._enqueue_marker_with_wait_list(queue, wait_for)
@@ -293,7 +211,7 @@ class ClExecutor:
                 first, mark = c, len(keep)
                 try:
                     if gate is not None:  # the first command after Gates waits for them
-                        wait_for = [g.event for g in gate if g.event is not None] or None
+                        wait_for = wait_list(gate)
                         gates = gate if gates is None else gates + gate
                         gate = None
                         if kind is _EXEC:
@@ -426,148 +344,11 @@ class ClExecutor:
         if status != 0:
             raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
 
-    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Let the callback itself complete what needs no Python, while nothing before it
-        does (a timestamp, say): this queue's own signal, and this device's timeline step
-        -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
-        completed prefix, the wrap and the wake-ups whatever order steps complete in; or,
-        without one, directly when every earlier step is done or enqueued before it on this
-        queue (the pump then does the Python timeline's bookkeeping). The waiters of those
-        wake straight from the driver's thread. Returns the books left to the pump."""
-        words = seg.words
-        own = self.device._queues[self.kind].signal
-        timeline = self.timeline
-        c_timeline = timeline.c_address
-        left: list[tuple[Any, ...]] = []
-        n = 0
-        native = True
-        for book in books:
-            if native and book[0] == "signal" and book[1] is own and n < runtime.MAX_STORES:
-                self._store(words, n, own, book[2])
-                n += 1
-                continue
-            if native and book[0] == "step" and book[1] is timeline:
-                seq = book[2]
-                if c_timeline is not None:
-                    words[runtime.TL_FN] = self._native.tl_complete
-                    words[runtime.TL_ARG] = c_timeline
-                    words[runtime.TL_SEQ] = seq
-                    native = False  # what follows waits for the pump
-                    last = len(books) > 1 and book is books[-2]  # only a step follows
-                    foreign = self._foreign_step(books[-1], words) if last else None
-                    if foreign is not None:  # a transfer's step on the other device
-                        seg.foreign = foreign
-                        words[runtime.NSTORES] = n
-                        return left
-                    continue
-                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
-                if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
-                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
-                    n += 1
-                    self._ordered = seq
-            else:
-                native = False
-            left.append(book)
-        words[runtime.NSTORES] = n
-        return left
-
-    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
-        """Hand the callback a transfer's last step, on the other device's C timeline (an
-        OpenCL device's, or a cpu device's that this copy writes to): (timeline, seq), or
-        None to leave it to the pump. The callback completes the step under that timeline's
-        mutex, and its owner takes the mutex before it closes anything the callback touches
-        (``Timeline.close``)."""
-        if book[0] != "step":
-            return None
-        tl, seq = book[1], book[2]
-        if tl.c_address is None:
-            return None
-        if not tl.take_foreign(seq):
-            return None
-        words[runtime.TL2_FN] = self._native.tl_complete
-        words[runtime.TL2_ARG] = tl.c_address
-        words[runtime.TL2_SEQ] = seq
-        return tl, seq
-
-    @staticmethod
-    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
-        base = runtime.STORES + 3 * i
-        words[base] = signal.address
-        words[base + 1] = value
-        words[base + 2] = signal.fd
-
     def probe(self) -> None:
         """A marker with a callback and nothing to do: a clock-offset sample."""
         with self._lock:
             self._close(None, [], [], "marker")
             self.queue.flush()
-
-    def _enqueue(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
-        """A copy or a load, after the events ``wait_for``: its driver command's event
-        (``keep`` gets what it touches)."""
-        kind = type(c)
-        if kind is _COPY:
-            return self._copy(c.dest, c.src, c.nbytes, keep, wait_for)
-        return self._load(c, keep, wait_for)
-
-    def _copy(
-        self, dest: Any, src: Any, n: int, keep: list[Any], wait_for: list[Any] | None
-    ) -> Any:
-        """The driver's own entry points, not ``pyopencl.enqueue_copy`` (which dispatches on
-        its arguments' types in Python first): a host end is a non-blocking write or read."""
-        low = self._low
-        d_mem, s_mem = _device_memory(dest), _device_memory(src)
-        if d_mem is not None and s_mem is not None:
-            if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
-                if dest.offset == src.offset:  # a copy onto itself: nothing to move
-                    return low._enqueue_marker_with_wait_list(self.queue, wait_for)
-                bounce = self._cl.Buffer(self.device.context, self._cl.mem_flags.READ_WRITE, n)
-                keep.append(bounce)
-                keep.append(
-                    low._enqueue_copy_buffer(
-                        self.queue, s_mem.clbuf, bounce, n, src.offset, 0, wait_for
-                    )
-                )
-                return low._enqueue_copy_buffer(
-                    self.queue, bounce, d_mem.clbuf, n, 0, dest.offset, None
-                )
-            return low._enqueue_copy_buffer(
-                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, wait_for
-            )
-        if d_mem is not None:
-            host = _host_array(src, n)
-            nanny = low._enqueue_write_buffer(
-                self.queue, d_mem.clbuf, host, dest.offset, wait_for, False
-            )
-        elif s_mem is not None:
-            host = _host_array(dest, n)
-            nanny = low._enqueue_read_buffer(
-                self.queue, s_mem.clbuf, host, src.offset, wait_for, False
-            )
-        else:
-            raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
-        keep.append(host)
-        keep.append(nanny)  # dropped only once completed (its destructor would block)
-        return nanny
-
-    def _load(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
-        mem = _device_memory(c.dest)
-        assert mem is not None
-        start = c.offset - c.offset % _ADDRESS_ALIGN
-        skip = c.offset - start
-        fd = os.open(c.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size < c.offset + c.nbytes:
-                raise EOFError(f"{c.path!r} holds fewer than {c.offset + c.nbytes} bytes now")
-            mapping = mmap.mmap(fd, skip + c.nbytes, prot=mmap.PROT_READ, offset=start)
-        finally:
-            os.close(fd)
-        host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
-        nanny = self._low._enqueue_write_buffer(
-            self.queue, mem.clbuf, host, c.dest.offset, wait_for, False
-        )
-        keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
-        return nanny
 
     def _skip(self, commands: list[Any], error: BaseException | None) -> None:
         """Not running ``commands``: break their signals; complete other devices' steps."""
@@ -577,124 +358,6 @@ class ClExecutor:
                 c.signal._break(error)
             elif kind is _STEP and c.timeline is not self.timeline:
                 c.timeline.complete(c.seq)
-
-    # -- completion (the pump, on the loop) ---------------------------------------------------
-
-    def complete(self, seg: Segment) -> None:
-        """Do a fired segment's work, in order."""
-        status = ctypes.c_int64(seg.words[runtime.STATUS]).value
-        if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
-            self.fail(seg, status)
-            return
-        if seg.traced is not None:
-            self._trace(seg)
-        offset: int | None = None
-        for book in seg.books:
-            op = book[0]
-            if op == "signal":
-                book[1]._set_from_engine(book[2])
-            elif op == "step":
-                book[1].complete(book[2])
-            else:  # Signal.timestamp is on the host clock: one offset for the whole segment
-                if offset is None:
-                    offset = self.device.clock_offset_ns()
-                ev = book[2] if book[2] is not None else seg.event
-                ns = ev.profile.start if book[3] else ev.profile.end
-                book[1]._stamp_from_engine(ns + offset)
-        self.completed += 1
-
-    def _trace(self, seg: Segment) -> None:
-        """Device ranges of a traced segment, from its events' profiling counters moved to
-        the host clock, and the producers of the signals it sets (for flow arrows)."""
-        hook = _engine.trace_hook
-        if hook is None:
-            return
-        track = hook._engines.get(self) or hook._track(self)
-        offset = self.device.clock_offset_ns()
-        if seg.flows:
-            track.pending = seg.flows
-        if seg.gates:  # driver-kept waits: arrows from their producers' last ranges
-            track.pending = [*(track.pending or ()), *_sources(hook, seg.gates)]
-        for command, event in seg.traced or ():
-            profile = event.profile
-            hook._range(track, command, profile.start + offset, profile.end + offset, None)
-        for book in seg.books:
-            if book[0] == "signal" and track.last is not None:
-                hook._produced_by(book[1], book[2], track.last)
-
-    def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
-        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
-        (``called_back``: False when its callback never ran and never will). A segment that
-        waited for another queue's commands in the driver (Gates) failed because they did,
-        when one of them did: the fault is then the producer's own, the same instance."""
-        fault = self._producers_fault(seg)
-        if fault is None:
-            fault = DeviceFault(
-                f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
-                f"driver reported execution status {status} for it",
-                device=self.device.name,
-                queue=self.kind,
-            )
-        self.device._fault(fault)
-        for book in seg.books:
-            if book[0] == "signal":
-                book[1]._break(self.device._error)
-            elif book[0] == "step" and book[1] is not self.timeline:
-                book[1].complete(book[2])
-        if seg.foreign is not None and not called_back:  # the other device may close
-            tl, seq = seg.foreign
-            tl._native.tl_complete(tl.c_address, seq, 1)
-
-    def _producers_fault(self, seg: Segment) -> BaseException | None:
-        """The fault of a producer ``seg`` waited for in the driver: its device's sticky
-        error, once that device has looked for failures among its pending commands."""
-        for gate in seg.gates or ():
-            producer = gate.producer
-            if producer is self:
-                continue
-            owner = producer.device
-            if owner._error is None:
-                owner._check_failed([producer])  # a failure found here faults the producer
-            if owner._error is not None:
-                return owner._error
-        return None
-
-
-def _sources(hook: Any, gates: list[Gate]) -> list[tuple[int, int, int, int]]:
-    """Flow sources (pid, tid, start, end on the host clock) of ``gates``' producers: the
-    range their producing segment's last command drew (or will draw) in the trace."""
-    out = []
-    for gate in gates:
-        traced = gate.segment.traced
-        if not traced or gate.event is None:  # untraced, or this queue's own (no arrow)
-            continue
-        try:
-            profile = traced[-1][1].profile
-            offset = gate.producer.device.clock_offset_ns()
-            t0, t1 = int(profile.start) + offset, int(profile.end) + offset
-        except Exception:  # a failed producer has no times: no arrow
-            continue
-        track = hook._engines.get(gate.producer) or hook._track(gate.producer)
-        out.append((track.pid, track.tid, t0, t1))
-    return out
-
-
-def _device_memory(end: Any) -> ClMemory | None:
-    if isinstance(end, Buffer) and isinstance(end._mem, ClMemory):
-        return end._mem
-    return None
-
-
-def _host_array(end: Any, n: int) -> Any:
-    """The host memory of a copy's other end, ``n`` bytes: a host array (copyin, copyout),
-    or a buffer of a device whose memory is host memory (a cpu device)."""
-    if isinstance(end, cmd.HostMemoryRef):
-        arr = end.keep[1]  # the contiguous array host_ref checked
-        if arr.nbytes == n:
-            return arr
-    elif isinstance(end, Buffer):
-        return end._mem.view()[end.offset : end.offset + n]
-    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(end.va_addr))
 
 
 def _describe(c: Any) -> str:
