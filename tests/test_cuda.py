@@ -659,3 +659,23 @@ async def test_transfers_between_cuda_and_opencl_go_through_host_memory() -> Non
         with pytest.raises(hcqa.InvalidCommand, match="goes through host memory"):
             with hcqa.capture():
                 hcqa.transfer(y, x)
+
+
+@gpu
+async def test_a_hazard_between_its_own_streams_is_waited_for_on_the_gpu() -> None:
+    """A copy that reads what a long kernel writes: the copy queue's Wait for the compute
+    queue is a cuStreamWaitEvent (the actor does not park on the host), and the copy still
+    sees the kernel's result."""
+    async with hcqa.open_device("cuda:0") as g:
+        x = g.alloc(shape=(1,), dtype="float32")
+        z = g.alloc(shape=(1,), dtype="float32")
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        before = g.copy.engine.device_waits
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        fence = g.copy_queue().copy(z, x, 4).submit()  # reads x: waits for the kernel
+        await fence
+        assert g.copy.engine.device_waits == before + 1
+        got, final = await _read(z), await _read(x)
+        assert got[0] == final[0] and final[0] != 2.0, (got, final)

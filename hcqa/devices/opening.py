@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import trio
@@ -44,7 +44,7 @@ from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.hostarrays import host_ref
 from hcqa.devices.sizes import check_int
 from hcqa.errors import HcqaError, InvalidCommand
-from hcqa.signals import Fence
+from hcqa.signals import Fence, Signal
 
 __all__ = ["open_device", "open_devices", "transfer"]
 
@@ -273,7 +273,7 @@ def _through_host(dest: Buffer, src: Buffer) -> Fence:
     staging = np.empty(src.nbytes, np.uint8)
     first = src.device._copyout(src.view(0, src.nbytes), staging)
     host = host_ref(staging, dest.view(0, dest.nbytes), writable=False)
-    wait = cmd.Wait(signal=first.signal, value=first.value)
+    wait = cmd.Wait(signal=cast("Signal", first.signal), value=first.value)
     copy = cmd.Copy(dest=dest, src=host, nbytes=dest.nbytes)
     device = dest.device
     return device._submit(device.copy, [wait, copy], writes=[dest], waits=True)
