@@ -315,19 +315,19 @@ def make_app(
     may take to arrive, from its headers to its last byte (408 past it).
     """
     if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
-        raise TypeError(
+        raise InvalidCommand(
             f"make_app needs a hcqa.Pipeline or ProcessPipeline (got {type(pipeline).__name__})"
         )
     if len(pipeline.in_shape) < 1:
         raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
-        raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
+        raise InvalidCommand(f"'max_pending' must be >= 1 or None (got {max_pending})")
     if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
         raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
     state = State(
         pipeline, batcher, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
     )
-    served = [Served(name, version, state)]
+    served = [Served(name, version, state, _Endpoints)]
     for model, model_batcher in models:
         served.append(
             Served.make(
@@ -338,6 +338,7 @@ def make_app(
                 max_pending=max_pending,
                 max_body=max_body,
                 body_timeout=body_timeout,
+                endpoints=_Endpoints,
             )
         )
     v2 = V2(served, _version())
