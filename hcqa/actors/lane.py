@@ -90,7 +90,11 @@ class LaneEngine(Engine):
         self._lib = lib
         lane = lib.lane_new()
         if not lane:
-            raise MemoryError(f"{name}: no memory for a native lane")
+            self.join(0)  # (never started: closes the bell)
+            self.exited.close()
+            raise OSError(
+                f"{name}: could not make a native lane (no memory or no file descriptor left)"
+            )
         self._lane = lane
         self._done = ctypes.c_uint64.from_address(lib.lane_done_addr(lane))
         self._tail = ctypes.c_uint64.from_address(lib.lane_tail_addr(lane))
@@ -328,4 +332,7 @@ def _step(c: Any) -> Native | None:
     if addr is None:
         return None
     # the timeline as the "signal": this lane is noted on it, so closing it waits for the lane
-    return _pack(OP_STEP, addr, c.seq, int(tl.take_foreign(c.seq)), 0), tl, None
+    seq = c.seq
+    if seq >= 1 << 63:  # the C timeline takes steps modulo 2**64 (see lane_c.py), as int64
+        seq = (seq + (1 << 63)) % (1 << 64) - (1 << 63)
+    return _pack(OP_STEP, addr, seq, int(tl.take_foreign(c.seq)), 0), tl, None

@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import functools
 import mmap
-import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -59,23 +57,26 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
+from hcqa.devices.buffer import Buffer, hazard_waits
+from hcqa.devices.builder import QueueBuilder
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
+from hcqa.devices.hostcopies import HostCopies
+from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program, check_flags
+from hcqa.devices.sizes import check_size, typed_size
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
     DeviceClosed,
-    HcqaError,
     InvalidCommand,
     QueueFull,
 )
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
-    from hcqa.queue import Queue
+    from hcqa.devices.fusion import FusedRun
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -100,23 +101,25 @@ class DeviceStatistics:
     closed: bool
 
 
-class Device(Faults):
-    """Base class of the devices (``cpu:N``, ``cuda:N``)."""
+class Device(Faults, HostCopies, Lifetime):
+    """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
+    kinds)."""
 
     kind: ClassVar[str] = "?"
     # True where running a C kernel is exactly calling it on the host: engines then call an
-    # Exec's ready native call directly, and graphs may fuse runs of C kernels.
+    # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
-    # hcqa`` imports it): the device core sits below the builder and never imports it.
-    _queue_class: ClassVar[Callable[[Device, str], Queue]]
+    # hcqa`` imports it): the device core sits below the builder and names it only through
+    # the QueueBuilder protocol (``builder.py``).
+    _queue_class: ClassVar[Callable[[Device, str], QueueBuilder]]
     # True where a buffer's ``va_addr`` is host memory any thread may read and write (cpu);
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
     host_memory: ClassVar[bool] = True
     # True where what the executor caches on an Exec (``Exec.native``) describes the call
     # alone and holds no memory (the cpu lane's records): a program's launch record then
-    # hands it to its repeat calls (``program._Launch``), which a record keeping memory
+    # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
     # objects alive must not.
     shares_native: ClassVar[bool] = False
 
@@ -135,8 +138,17 @@ class Device(Faults):
         self.hang_limit = hang_limit
         self.host_visible = host_visible
         self.inline_kernels = inline_kernels  # opt-in: short repeat kernel calls run inline
+        try:
+            self._build(memory, timeline_start, queue_depth)
+        except BaseException:  # (no fd left, say): nothing it made waits for the GC
+            self._abandon_build()
+            raise
+
+    def _build(self, memory: int, timeline_start: int, queue_depth: int) -> None:
         self.allocator = self._make_allocator(memory)
-        self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
+        self._timeline = Timeline(
+            self.name, hang_limit=self.hang_limit, owner=self, start=timeline_start
+        )
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._closed = False
@@ -144,11 +156,32 @@ class Device(Faults):
         self._hung = False
         self._still_read = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
-        self.compute = QueueActor(self, "compute", self._executor("compute"), capacity=queue_depth)
-        self.copy = QueueActor(self, "copy", self._executor("copy"), capacity=queue_depth)
+        self._made: list[Any] = []  # executors, then signals: closed if the rest fails
+        for kind in ("compute", "copy"):
+            executor = self._executor(kind)
+            self._made.append(executor)
+            actor = QueueActor(self, kind, executor, capacity=queue_depth)
+            self._made.append(actor.signal)
+            setattr(self, kind, actor)
+        del self._made
         self._queues = {"compute": self.compute, "copy": self.copy}
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
+
+    def _abandon_build(self) -> None:
+        """Close what a construction that failed part-way made: executors (never
+        started), queue signals, the timeline, the memory."""
+        made = vars(self)
+        for thing in made.get("_made", ()):
+            if isinstance(thing, Signal):
+                thing.close()
+            else:
+                thing.join(0)
+                thing.exited.close()
+        if "_timeline" in made:
+            self._timeline.close()
+        if "allocator" in made:
+            self.allocator.close()
 
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
@@ -186,6 +219,21 @@ class Device(Faults):
         inline on the caller's thread (see ``actor.py``): only what surely takes a few
         tens of microseconds. None by default."""
         return False
+
+    # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
+        submitted again then send each run of such launches as one command, made by
+        :meth:`_fuse`. None by default."""
+        return False
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
+        """One command that runs every launch of ``run`` (two or more, each
+        :meth:`_fusable`, in a row on one queue), in order: a
+        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
+        made at a queue's submit, on the caller's task (compile nothing)."""
+        raise NotImplementedError
 
     # -- public surface --------------------------------------------------------------------
 
@@ -343,12 +391,13 @@ class Device(Faults):
             "flags": check_flags(flags),
         }
 
-    def compute_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
+    def compute_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's compute queue (``exec`` etc.;
+        typed by its verbs, the ``QueueBuilder`` protocol: the core sits below the builder)."""
         return Device._queue_class(self, "compute")
 
-    def copy_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
+    def copy_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's copy queue (``copy`` etc.)."""
         return Device._queue_class(self, "copy")
 
     def timed(self, *, queue: str = "compute") -> TimedSpan:
@@ -462,120 +511,3 @@ class Device(Faults):
             foreign = other._timeline
             batch.append(_step_command(foreign, foreign.reserve_foreign(), None))
         return seq
-
-    # -- host copies ------------------------------------------------------------------------
-
-    def _copyin(self, buf: Buffer, src: Any) -> Fence:
-        buf._check()
-        host = host_ref(src, buf, writable=False)
-        command = _copy_command(buf, host, buf.nbytes, None)
-        return self._submit(self.copy, [command], writes=[buf], waits=False)
-
-    def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
-        """``on_compute``: on the compute queue where it takes host copies (see
-        ``_copyout_queue``), else on the copy queue."""
-        buf._check()
-        host = host_ref(dest, buf, writable=True)
-        command = _copy_command(host, buf, buf.nbytes, None)
-        queue = self._copyout_queue(on_compute)
-        return self._submit(queue, [command], reads=[buf], waits=False)
-
-    def _copyout_queue(self, on_compute: bool) -> QueueActor:
-        """The queue a copy-out runs on: the compute queue when asked for and
-        ``_copies_on_compute``, else the copy queue."""
-        return self.compute if on_compute and self._copies_on_compute() else self.copy
-
-    def _copies_on_compute(self) -> bool:
-        """Whether the compute queue's executor also runs host copies (``Copy`` commands
-        between a buffer and a host array). A pipeline then copies its last stage's output
-        out right behind the kernel on that queue, instead of on the copy engine, where it
-        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``)."""
-        return False
-
-    def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
-        buf._check()
-        offset = check_size("offset", offset)
-        n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
-        if n > buf.nbytes:
-            raise InvalidCommand(f"'nbytes' must be <= the buffer's {buf.nbytes} bytes (got {n})")
-        try:  # opened now, so a file the engine could not read is refused here
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise InvalidCommand(
-                f"load: {path!r} must be a readable file (got: {exc.strerror})"
-            ) from exc
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidCommand(f"load: {path!r} must be a regular file (got {_file_kind(st)})")
-        size = st.st_size
-        if offset + n > size:
-            raise InvalidCommand(
-                f"load: {path!r} must hold offset + nbytes = {offset + n} bytes (got {size})"
-            )
-        command = cmd.Load(dest=buf, path=path, offset=offset, nbytes=n)
-        return self._submit(self.copy, [command], writes=[buf])
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    async def _start(self, nursery: trio.Nursery) -> None:
-        await nursery.start(self.compute.run)
-        await nursery.start(self.copy.run)
-
-    def _cancel(self) -> None:
-        """Abandon pending work: engines skip what they have not started."""
-        closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
-        for actor in self._queues.values():
-            if actor.engine.error is None:
-                actor.engine.error = closed
-
-    async def _close_input(self) -> None:
-        self._closing = True
-        for actor in self._queues.values():
-            await actor.close_input()
-
-    async def _wait_foreign(self) -> None:
-        """Wait (shielded, within the hang limit) until other devices' engines have
-        completed every step that reads this device's memory."""
-        tl = self._timeline
-        if tl.foreign_done.value >= tl.foreign_reserved:
-            return
-        with trio.CancelScope(shield=True):
-            try:
-                await tl.foreign_done._wait_limited(
-                    tl.foreign_reserved, self.hang_limit, f"{self.name} closing", observe=False
-                )
-            except HcqaError:
-                self._hung = True
-                self._still_read = True  # by a stuck device: keep the memory mapped
-
-    def _release(self) -> None:
-        """Close signals and memory once the actors are done (threads joined)."""
-        self._closing = True
-        self._closed = True
-        if self._still_read or any(a.engine.alive for a in self._queues.values()):
-            self._hung = True
-            return  # a stuck engine may still write our memory and signals: leave them
-        self._timeline.close()
-        for actor in self._queues.values():
-            actor.engine.join(0)  # closes its doorbell (also for a never-started engine)
-            actor.signal.close()
-            actor.engine.exited.close()
-        self.allocator.close()
-        for mem in list(self._shared):
-            mem.close()
-
-
-def _file_kind(st: os.stat_result) -> str:
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(st.st_mode):
-            return kind
-    return "not a regular file"

@@ -20,6 +20,11 @@ Where the native library is there (``hcqa/_native/lane.py``) the completion stat
 in C (``hcqa_tl_*``): a native lane completes steps without Python, a Python engine
 through one short call, both under the same mutex. Foreign steps are known here (a
 Python set); whoever completes or encodes a step takes it out of the set.
+
+Timeline values are unsigned 64-bit: ``timeline_start`` is at most 2**64 - 1, and ``seq``
+counts on past 2**64 here, while C takes it modulo 2**64 (2**64 is a multiple of ``WRAP``,
+so a step's epoch parity and value are unchanged; its pending steps are ordered by how far
+they are ahead of the completed prefix, which holds across the boundary).
 """
 
 from __future__ import annotations
@@ -51,7 +56,15 @@ class Timeline:
 
     def __init__(self, name: str, *, hang_limit: float, owner: Any, start: int = 0) -> None:
         self.name = name
-        self.signals = (Signal(name=f"{name} timeline"), Signal(name=f"{name} timeline shadow"))
+        made: list[Signal] = []
+        try:
+            for what in ("timeline", "timeline shadow", "foreign steps"):
+                made.append(Signal(name=f"{name} {what}"))
+        except BaseException:  # (no fd left, say): none of them waits for the GC
+            for s in made:
+                s.close()
+            raise
+        self.signals = (made[0], made[1])
         self.reserved = start
         self.done = start
         self._pending: set[int] = set()
@@ -63,7 +76,7 @@ class Timeline:
         # device may only release its memory once all of them are done.
         self._foreign: set[int] = set()
         self.foreign_reserved = 0
-        self.foreign_done = Signal(name=f"{name} foreign steps")
+        self.foreign_done = made[2]
         for s in (*self.signals, self.foreign_done):
             s._guarded = False  # closed by the device only once every writer is done
             # Written only through _set_from_engine / ``value``, which write the eventfd

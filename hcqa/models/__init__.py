@@ -17,7 +17,9 @@ end and hands hcqa what it runs best -- one captured :class:`~hcqa.Graph` per in
 
 :func:`from_tinygrad` and :func:`load_onnx` (``onnx``: tinygrad's ONNX front end, or
 onnxruntime's session as one kernel on ``cpu:N``) are the two ways in. This layer sits above
-graphs and pipelines and below the server and the command line.
+graphs and pipelines (a model may use them all) and below serving and the command line, which
+use models (docs/architecture.md, "The layers"); an import-linter contract in pyproject.toml
+keeps tinygrad's imports in ``_tinygrad``.
 """
 
 from __future__ import annotations

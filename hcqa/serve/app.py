@@ -42,7 +42,7 @@ from starlette.types import ASGIApp
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
-from hcqa.serve.bodies import ClientGone, InputError, dumps_array, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, InputError, dumps_array, inflate, off_loop, read_body
 from hcqa.serve.http import DISCONNECT
 from hcqa.serve.inputs import from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
@@ -142,6 +142,9 @@ class _Endpoints:
 
     async def _admitted(self, request: Request, ctype: str, body: bytes) -> Response:
         st = self.st
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:  # gzip (every member), deflate: bounded by max_body once inflated
+            body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
         big = len(body) > _OFFLOAD_BYTES
         if ctype == RAW_TYPE:
             x, single = from_raw(body, st.shape)
@@ -312,19 +315,19 @@ def make_app(
     may take to arrive, from its headers to its last byte (408 past it).
     """
     if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
-        raise TypeError(
+        raise InvalidCommand(
             f"make_app needs a hcqa.Pipeline or ProcessPipeline (got {type(pipeline).__name__})"
         )
     if len(pipeline.in_shape) < 1:
         raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
-        raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
+        raise InvalidCommand(f"'max_pending' must be >= 1 or None (got {max_pending})")
     if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
         raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
     state = State(
         pipeline, batcher, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
     )
-    served = [Served(name, version, state)]
+    served = [Served(name, version, state, _Endpoints)]
     for model, model_batcher in models:
         served.append(
             Served.make(
@@ -335,6 +338,7 @@ def make_app(
                 max_pending=max_pending,
                 max_body=max_body,
                 body_timeout=body_timeout,
+                endpoints=_Endpoints,
             )
         )
     v2 = V2(served, _version())

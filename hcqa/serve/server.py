@@ -197,7 +197,7 @@ def _hypercorn(
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     for key, value in (options or {}).items():
         if not hasattr(config, key):
-            raise TypeError(f"hypercorn's Config has no option {key!r}")
+            raise InvalidCommand(f"hypercorn's Config has no option {key!r} (got it in 'options')")
         setattr(config, key, value)
 
     def start(app: Any, **kwargs: Any) -> Any:
@@ -338,7 +338,11 @@ async def mlp_pipeline(
             raise InvalidCommand(f"'sleep' needs cpu devices (got {d0.name}, {d1.name})")
         progs = [await d.program_async("dense", _DENSE_CL, entry="dense") for d in (d0, d1)]
         pipes = [
-            Pipeline(_opencl_stages(progs, (w1, w2), b, width), in_shape=(b, width), depth=depth)
+            Pipeline(
+                _opencl_stages((d0, d1), progs, (w1, w2), b, width),
+                in_shape=(b, width),
+                depth=depth,
+            )
             for b in sizes
         ]
         return pipes if buckets else pipes[0]
@@ -375,18 +379,22 @@ __kernel void dense(__global float *out, __global const float *x, __global const
 
 
 def _opencl_stages(
-    progs: Sequence[Program], weights: Sequence[Any], rows: int, width: int
+    devices: Sequence[Device],
+    progs: Sequence[Program],
+    weights: Sequence[Any],
+    rows: int,
+    width: int,
 ) -> list[Stage]:
     """The MLP's two layers as OpenCL C kernels (built, one per device), an NDRange of
     ``width x rows`` work-items."""
     return [
         Stage(
-            device=prog.device,
+            device=device,
             program=prog,
             params=(w,),
             vals=(width, relu),
             global_size=(width, rows, 1),
             local_size=(1, 1, 1),
         )
-        for prog, w, relu in zip(progs, weights, (1, 0), strict=True)
+        for device, prog, w, relu in zip(devices, progs, weights, (1, 0), strict=True)
     ]

@@ -36,8 +36,8 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import anyio
 import attrs
@@ -49,14 +49,13 @@ from starlette.routing import Route
 
 from hcqa.batcher import Batcher
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
-from hcqa.serve.bodies import ClientGone, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, inflate, off_loop, read_body
 from hcqa.serve.inputs import InputError
 from hcqa.serve.metrics import State
 from hcqa.serve.tensors import (
     HEADER_LENGTH,
     TensorSpec,
     encode_response,
-    inflate,
     parse_request,
 )
 
@@ -98,12 +97,24 @@ class Model:
     max_wait: float = 0.002
 
 
+class Rows(Protocol):
+    """What a served model runs its rows through: the ``/infer`` machinery of ``app.py``
+    (its batcher or its chunks), handed over by the app (this module sits below it)."""
+
+    async def _cancel_on_disconnect(
+        self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
+    ) -> npt.NDArray[Any]: ...
+
+    async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]: ...
+
+
 class Served:
-    """One model of a served app: its name and version, state, and tensors."""
+    """One model of a served app: its name and version, state, tensors, and the ``/infer``
+    machinery its rows go through (``endpoints``: made by the app from ``state``)."""
 
-    def __init__(self, name: str, version: str, state: State) -> None:
-        from hcqa.serve.app import _Endpoints  # the /infer path: batcher or chunks
-
+    def __init__(
+        self, name: str, version: str, state: State, endpoints: Callable[[State], Rows]
+    ) -> None:
         for what, value in (("name", name), ("version", version)):
             if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
                 raise InvalidCommand(
@@ -113,7 +124,7 @@ class Served:
         self.name = name
         self.version = version
         self.state = state
-        self.endpoints = _Endpoints(state)
+        self.endpoints = endpoints(state)
         self.input = TensorSpec("input", state.shape.dtype, state.shape.sample_shape)
         out_shape, out_dtype = _output_of(state.pipeline)
         self.output = TensorSpec("output", out_dtype, out_shape[1:])
@@ -129,6 +140,7 @@ class Served:
         max_pending: int | None,
         max_body: int | None,
         body_timeout: float = 30.0,
+        endpoints: Callable[[State], Rows],
     ) -> Served:
         state = State(
             pipeline,
@@ -137,7 +149,7 @@ class Served:
             max_body=max_body,
             body_timeout=body_timeout,
         )
-        return cls(name, version, state)
+        return cls(name, version, state, endpoints)
 
     def unavailable(self) -> list[str]:
         """The model's devices that faulted, hung or closed (empty: ready)."""
