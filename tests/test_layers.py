@@ -28,9 +28,7 @@ TYPE_ONLY = {
 
 # importer -> imported, at run time (an import inside a function), known to close a cycle that
 # its package's owners break; listed so that no new cycle slips in beside it
-RUNTIME = {
-    ("hcqa.serve.v2", "hcqa.serve.app"),  # the /v2 routes reuse the /infer endpoints' machinery
-}
+RUNTIME: set[tuple[str, str]] = set()
 
 
 @functools.cache

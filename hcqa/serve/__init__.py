@@ -61,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from hcqa.serve.app import make_app
+from hcqa.serve.hosted import Model
 from hcqa.serve.server import mlp_pipeline, serve
-from hcqa.serve.v2 import Model
 
 __all__ = ["Model", "make_app", "mlp_pipeline", "serve"]
