@@ -144,12 +144,16 @@ class Hosted:
         self.executions = 0
         self.inferences = 0
         self.last_inference_ms = 0
+        self._given: Target | None = None  # a ready target, checked before anything starts
+        if model.pipeline is not None:
+            self._given = as_target(model.pipeline, inputs=model.inputs, outputs=model.outputs)
 
     @classmethod
     def ready_now(cls, model: Model, batcher: Batcher | None = None) -> Hosted:
         """A model whose target is ready now (``make_app`` without ``serve``)."""
         hosted = cls(model, batcher=batcher)
-        hosted._set_ready(as_target(model.pipeline, inputs=model.inputs, outputs=model.outputs))
+        assert hosted._given is not None
+        hosted._set_ready(hosted._given)
         return hosted
 
     def _set_ready(self, target: Target) -> None:
@@ -198,10 +202,11 @@ class Hosted:
             self._recover = trio.Event()
             try:
                 async with AsyncExitStack() as stack:
-                    obj = m.pipeline
+                    obj, target = m.pipeline, self._given
                     if m.build is not None:
                         obj = await stack.enter_async_context(m.build())
-                    target = as_target(obj, inputs=m.inputs, outputs=m.outputs)
+                        target = as_target(obj, inputs=m.inputs, outputs=m.outputs)
+                    assert target is not None
                     warm = m.warmup
                     if warm is None:
                         warm = m.build is not None or target.platform != "hcqa" or is_model(obj)

@@ -325,9 +325,12 @@ def as_target(
         return _from_model(obj)
     if _is_async_callable(obj):
         return _from_callable(obj, inputs, outputs, max_batch)
-    kind = "the plain callable" if callable(obj) else "a"
+    if callable(obj):
+        name = getattr(obj, "__name__", None) or type(obj).__name__
+        got = f"the plain callable {name!r}: define it with async def"
+    else:
+        got = type(obj).__name__
     raise InvalidCommand(
         "serve takes a models.Model, a Pipeline or ProcessPipeline, a list of pipelines, or "
-        f"an async batch callable (got {kind} {type(obj).__name__}"
-        + (": define it with async def)" if callable(obj) else ")")
+        f"an async batch callable (got {got})"
     )
