@@ -47,8 +47,7 @@ from typing import Any
 import numpy as np
 
 import hcqa
-from bench._util import markdown_table, print_footer, run_quick_cli
-from bench.bench_devices import (
+from bench._series import (
     AsyncOp,
     Series,
     fmt_ns,
@@ -59,6 +58,7 @@ from bench.bench_devices import (
     sync_op,
     verdict,
 )
+from bench._util import markdown_table, print_footer, run_quick_cli
 
 STEP_C = "void step(float *out, const float *a) { out[0] = a[0] + 1.0f; }\n"
 CHAINS = (1, 10, 100)

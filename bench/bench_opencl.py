@@ -44,8 +44,7 @@ import numpy as np
 import trio
 
 import hcqa
-from bench._util import EventfdFloor, markdown_table, print_footer, run_quick_cli
-from bench.bench_devices import (
+from bench._series import (
     AsyncOp,
     Series,
     fmt_ns,
@@ -58,6 +57,7 @@ from bench.bench_devices import (
     sync_op,
     verdict,
 )
+from bench._util import EventfdFloor, markdown_table, print_footer, run_quick_cli
 
 MiB = 1 << 20
 

@@ -1,23 +1,28 @@
 """FastAPI on uvicorn (asyncio) awaiting an hcqa pipeline: the same calls as under trio.
 
-The app opens ``cpu:0`` and ``cpu:1`` in its lifespan and builds the demo two-layer MLP
-that ``hcqa serve`` runs (``hcqa.serve.mlp_pipeline``). Each ``POST /infer`` awaits the
-pipeline from its asyncio task; hcqa hosts its queue actors in a trio guest run on
-uvicorn's own loop (see docs/asyncio.md), so the kernels run in the devices' engine
-threads while the loop keeps serving.
+The app opens ``cpu:0`` and ``cpu:1`` in its lifespan, builds the demo two-layer MLP that
+``hcqa serve`` runs (``hcqa.serve.mlp_pipeline``) and opens a batcher over it
+(``hcqa.open_batcher``). ``POST /infer`` takes one sample or a batch of any size: whole
+batches of the pipeline's ``batch`` rows go straight to the pipeline, and the rest (a lone
+sample, a short batch, the tail of a long one) through the batcher, which gathers them with
+other requests' rows into full batches (``infer_rows``). hcqa hosts its queue actors in a
+trio guest run on uvicorn's own loop (see docs/asyncio.md), so the kernels run in the
+devices' engine threads while the loop keeps serving.
 
     pip install -e '.[asyncio]'
     python examples/fastapi_app.py --port 8000      # or: uvicorn fastapi_app:app
     curl -s localhost:8000/health
     python -c 'import numpy as np, sys; sys.stdout.buffer.write(
-        np.ones((32, 256), "<f4").tobytes())' > x.bin
+        np.ones((5, 256), "<f4").tobytes())' > x.bin
     curl -s -H 'Content-Type: application/octet-stream' --data-binary @x.bin \\
-        localhost:8000/infer | wc -c                # 32 * 256 float32 back
+        localhost:8000/infer | wc -c                # 5 * 256 float32 back
 
-Endpoints (as ``hcqa serve``'s): ``POST /infer`` takes ``float32[batch, width]`` as raw
-little-endian bytes (answered in kind, with ``x-hcqa-shape`` / ``x-hcqa-dtype`` headers)
-or as JSON ``{"inputs": [[...], ...]}``; ``400`` for a bad body, ``500`` for a
-``DeviceFault``, ``503`` once the devices are closed. ``GET /health``, ``GET /stats``.
+Endpoints (as ``hcqa serve``'s): ``POST /infer`` takes one sample ``float32[width]`` or a
+batch ``float32[n, width]`` (any ``n >= 1``), as raw little-endian bytes (exactly one row's
+bytes is one sample; answered in kind, with ``x-hcqa-shape`` / ``x-hcqa-dtype`` headers) or
+as JSON ``{"inputs": [...]}`` / ``{"inputs": [[...], ...]}``; ``400`` for a bad body,
+``500`` for a ``DeviceFault``, ``503`` once the devices are closed. ``GET /health``,
+``GET /stats``.
 
 A client that disconnects cancels its request, as in ``hcqa serve``: uvicorn (like most ASGI
 servers) goes on running a handler whose client has gone, so ``cancel_on_disconnect`` awaits
@@ -43,6 +48,7 @@ import hcqa
 from hcqa.serve import mlp_pipeline
 
 RAW_TYPE = "application/octet-stream"
+MAX_ROWS = 4096  # rows in one request (each is a batcher call)
 T = TypeVar("T")
 
 
@@ -73,6 +79,18 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def infer_rows(pipe: hcqa.Pipeline, batch: hcqa.Batcher, rows: np.ndarray) -> np.ndarray:
+    """``rows`` (``[n, width]``, any ``n >= 1``) through the model, in order: each whole
+    batch of ``pipe``'s rows straight to ``pipe``, each row left over through the batcher
+    (which pads nothing it can fill with other requests' rows)."""
+    n = pipe.in_shape[0]
+    whole = len(rows) - len(rows) % n
+    calls = [pipe(rows[i : i + n]) for i in range(0, whole, n)]
+    calls += [batch(row) for row in rows[whole:]]
+    outs = await asyncio.gather(*calls)
+    return np.concatenate([o if o.ndim == rows.ndim else o[None] for o in outs])
+
+
 def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
     """The app; the devices live as long as its lifespan (uvicorn's startup to shutdown)."""
 
@@ -81,7 +99,9 @@ def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
         async with hcqa.open_devices("cpu:0", "cpu:1") as devices:
             app.state.devices = devices
             app.state.pipe = await mlp_pipeline(*devices, batch=batch, width=width, depth=depth)
-            yield
+            async with hcqa.open_batcher(app.state.pipe, max_wait=0.002) as batcher:
+                app.state.batch = batcher
+                yield
 
     app = FastAPI(lifespan=lifespan)
 
@@ -99,7 +119,10 @@ def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
         raw = request.headers.get("content-type", "").startswith(RAW_TYPE)
         try:
             x = _decode(body, raw, pipe)
-            y = await cancel_on_disconnect(request, pipe(x))  # an asyncio task awaiting hcqa
+            rows = x[None] if x.ndim == 1 else x  # one sample is a batch of one row
+            work = infer_rows(pipe, request.app.state.batch, rows)  # asyncio awaiting hcqa
+            y = await cancel_on_disconnect(request, work)
+            y = y[0] if x.ndim == 1 else y
         except ClientGone:
             return Response(status_code=499)  # nobody is left to read it
         except (ValueError, hcqa.InvalidCommand) as exc:
@@ -117,22 +140,39 @@ def create_app(*, batch: int = 32, width: int = 256, depth: int = 2) -> FastAPI:
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
         pipe: hcqa.Pipeline = request.app.state.pipe
-        return {"pipeline": attrs.asdict(pipe.statistics())}
+        batcher: hcqa.Batcher = request.app.state.batch
+        return {
+            "pipeline": attrs.asdict(pipe.statistics()),
+            "batcher": attrs.asdict(batcher.statistics()),
+        }
 
     return app
 
 
 def _decode(body: bytes, raw: bool, pipe: hcqa.Pipeline) -> np.ndarray:
+    """One sample (``[width]``) or a batch (``[n, width]``), checked; the batcher checks
+    each row's shape and dtype again."""
+    width = pipe.in_shape[1]
     if raw:
-        want = int(np.prod(pipe.in_shape)) * pipe.dtype.itemsize
-        if len(body) != want:
-            raise ValueError(f"a raw body must be {want} bytes (got {len(body)})")
-        return np.frombuffer(body, dtype="<f4").reshape(pipe.in_shape)
-    try:
-        inputs = json.loads(body)["inputs"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f'the body must be JSON {{"inputs": [[...], ...]}} (got {exc})') from exc
-    return np.asarray(inputs, dtype=pipe.dtype)
+        row = width * pipe.dtype.itemsize
+        if not body or len(body) % row:
+            raise ValueError(f"a raw body must be a multiple of {row} bytes (got {len(body)})")
+        x = np.frombuffer(body, dtype="<f4").reshape(-1, width)
+        x = x[0] if len(body) == row else x
+    else:
+        try:
+            x = np.asarray(json.loads(body)["inputs"], dtype=pipe.dtype)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f'the body must be JSON {{"inputs": [...]}} or {{"inputs": [[...], ...]}} '
+                f"(got {exc})"
+            ) from exc
+    if x.ndim not in (1, 2) or x.shape[-1] != width or not 1 <= len(x) <= MAX_ROWS:
+        raise hcqa.InvalidCommand(
+            f"inputs must be float32[{width}] or float32[n, {width}] with 1 <= n <= {MAX_ROWS} "
+            f"(got shape {list(x.shape)})"
+        )
+    return x
 
 
 def _error(status: int, exc: Exception) -> Response:

@@ -55,7 +55,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa import aio
-from hcqa.devices.buffer import check_int, check_sample
+from hcqa.devices.sizes import check_int, check_sample
 from hcqa.errors import DeviceClosed, InvalidCommand, QueueFull
 
 __all__ = ["Batcher", "BatcherStatistics", "open_batcher"]

@@ -32,6 +32,7 @@ class ProgramRef(Protocol):
 
     name: str
     kernel: Any  # its C kernel (``CKernel``), or None
+    device: Any  # its device (``Device``)
 
     def access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 
@@ -113,7 +114,7 @@ class Exec:
     # ... and the call itself, ready to run (derived from ``args`` at every construction,
     # ``attrs.evolve`` included, so it can't go stale): the engine calls it directly.
     call: Callable[[], object] | None = attrs.field(init=False, eq=False, repr=False)
-    # A repeat call whose kernel was measured short (see ``program._Launch``): a device
+    # A repeat call whose kernel was measured short (see ``launch._Launch``): a device
     # may run it on the caller's thread when its queue is idle (``Device._inline``).
     inline: bool = attrs.field(default=False, eq=False, repr=False)
     native: Any = attrs.field(default=None, init=False, eq=False, repr=False)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -56,9 +57,10 @@ import trio
 
 from hcqa import aio
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype, check_sample, check_shape
+from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import transfer
-from hcqa.devices.program import Program
+from hcqa.devices.program import Program, check_return
+from hcqa.devices.sizes import check_int, check_plain_dtype, check_sample, check_shape
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
 from hcqa.signals import Fence
@@ -112,7 +114,14 @@ class _Slot:
 
 
 class Pipeline:
-    """Microbatches through ``stages``; ``await pipe(x)`` returns the last stage's output."""
+    """Microbatches through ``stages``; ``await pipe(x)`` returns the last stage's output.
+
+    Building it dry-runs each Python stage once, on this thread, on zeros of the shapes
+    and dtypes it will get (``in_shape``, each stage's ``out_shape`` / ``out_dtype``): a
+    missing or wrong ``out_shape``, or a stage that returns its result instead of writing
+    ``out``, is an ``InvalidCommand`` here. ``check=False`` skips that, for a stage that
+    must not run outside the pipeline (one that waits for an event, or counts its calls).
+    """
 
     def __init__(
         self,
@@ -121,8 +130,11 @@ class Pipeline:
         in_shape: Sequence[int] | int,
         dtype: npt.DTypeLike = "float32",
         depth: int = 2,
+        check: bool = True,
     ) -> None:
         check_int("depth", depth, minimum=1)
+        if not isinstance(check, bool):
+            raise InvalidCommand(f"'check' must be a bool (got {type(check).__name__})")
         if not stages:
             raise InvalidCommand("a Pipeline needs at least one stage (got none)")
         self.stages = tuple(_stage(s, i) for i, s in enumerate(stages))
@@ -130,7 +142,7 @@ class Pipeline:
         self.dtype = _dtype(dtype)
         self.depth = depth
         self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
-        self._slots = [self._build_slot() for _ in range(depth)]
+        self._slots = [self._build_slot(dry_run=check and i == 0) for i in range(depth)]
         self._free = list(self._slots)
         self._limit = trio.Semaphore(depth)
         self._completed = 0
@@ -163,13 +175,13 @@ class Pipeline:
             shape = _out_shape(s) or shape
         return shape
 
-    def _build_slot(self) -> _Slot:
+    def _build_slot(self, *, dry_run: bool = False) -> _Slot:
         shape, dtype = self.in_shape, self.dtype
         first = self.stages[0].device.alloc(shape=shape, dtype=dtype)
         inp = first
         steps: list[Callable[[], Fence]] = []
         with capture() as graph:
-            for stage, prog in zip(self.stages, self._programs, strict=True):
+            for index, (stage, prog) in enumerate(zip(self.stages, self._programs, strict=True)):
                 if inp.device is not stage.device:
                     moved = stage.device.alloc(shape=shape, dtype=dtype)
                     steps.append(functools.partial(transfer, moved, inp))
@@ -178,6 +190,8 @@ class Pipeline:
                 shape = _out_shape(stage) or shape
                 dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
                 out = stage.device.alloc(shape=shape, dtype=dtype)
+                if dry_run:
+                    _dry_run(index, stage, prog, out, inp)
                 steps.append(
                     functools.partial(
                         prog,
@@ -313,6 +327,61 @@ class Pipeline:
 def check_input(x: npt.ArrayLike, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """``x`` as an array, if it is a pipeline input of ``shape`` and ``dtype``."""
     return check_sample("pipeline input", x, shape, dtype)
+
+
+def _dry_run(index: int, stage: Stage, prog: Program, out: Buffer, inp: Buffer) -> None:
+    """Call a Python stage once on zeros of its declared shapes and dtypes, on this thread,
+    so a wrong or missing ``out_shape`` (numpy's "could not broadcast"), a stage that fails
+    on its arguments, or one that returns its result instead of writing ``out`` is an
+    ``InvalidCommand`` now, not a sticky ``DeviceFault`` at the first microbatch. C and
+    OpenCL programs, and stages whose vals or sizes are Variables, are not dry-run."""
+    fn = prog.fn
+    if fn is None or prog.kernel is not None or type(prog) is not Program:
+        return  # a C kernel, or a device's own program kind (OpenCL's)
+    sizes = {n: _ints3(getattr(stage, n)) for n in prog.geometry}
+    if not all(type(v) is int for v in stage.vals) or None in sizes.values():
+        return
+    bufs = (out, inp, *stage.params)
+    arrays = [_scratch(b) for b in bufs]
+    what = (
+        f"stage {index} ({prog.name!r}) failed a dry run on zeros of its declared shapes "
+        f"(input {_describe(inp)}, out {_describe(out)})"
+    )
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            got = fn(*arrays, *stage.vals, **sizes)
+        except Exception as exc:
+            raise InvalidCommand(
+                f"{what}: {type(exc).__name__}: {exc}; give the stage the out_shape / out_dtype "
+                "it writes (Stage(..., out_shape=...)), or build with check=False for a stage "
+                "that must not run outside the pipeline"
+            ) from exc
+    try:
+        check_return(prog.name, got, [arrays[i] for i in prog.access(len(arrays))[0]])
+    except InvalidCommand as exc:
+        raise InvalidCommand(f"stage {index}: {exc}") from None
+
+
+def _ints3(value: object) -> tuple[int, int, int] | None:
+    """A stage's launch size as the kernel receives it, or None if a Variable is in it."""
+    dims = (value,) if not isinstance(value, (tuple, list)) else tuple(value)
+    if not all(type(d) is int for d in dims):
+        return None
+    full = (*dims, 1, 1, 1)
+    return full[0], full[1], full[2]
+
+
+def _scratch(buf: Buffer) -> npt.NDArray[Any]:
+    """Zeros shaped as the kernel's view of ``buf`` (what the engine hands it)."""
+    dtype = np.dtype(buf.dtype if buf.dtype is not None else np.uint8)
+    shape = buf.shape if buf.shape is not None else (buf.nbytes // dtype.itemsize,)
+    return np.zeros(shape, dtype)
+
+
+def _describe(buf: Buffer) -> str:
+    arr = _scratch(buf)
+    return f"{arr.dtype}{list(arr.shape)}"
 
 
 def _dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:

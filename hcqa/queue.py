@@ -12,10 +12,11 @@ against ``var_vals`` (range-checked), adds waits for buffer hazards on other
 queues, and sends the whole batch as *one* message to the queue's actor. It
 can be submitted again and again with new values.
 
-Submitted again, a queue is sent the way a graph replay is: where the device fuses C
-kernels, each run of consecutive C kernels goes as one native call over an argument
-table (``_graph.build.fuse_batch``), and new values are written into a fresh copy of
-that table instead of building a command per kernel (see :meth:`Queue._resolve`).
+Submitted again, a queue is sent the way a graph replay is: where the device fuses
+launches (the fusion seam, ``devices/fusion.py``), each run of them goes as one fused
+command (``_graph.build.fuse_batch``: on a cpu device, C kernels as one native call over
+an argument table), and new values are bound into a fresh copy of it instead of building
+a command per kernel (see :meth:`Queue._resolve`).
 
 Two ways to submit, by what should happen when the queue's channel is full:
 
@@ -29,6 +30,7 @@ Both return the :class:`~hcqa.signals.Fence` of the batch on the device timeline
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -86,6 +88,8 @@ class Queue:
         self._fused: tuple[list[Any], list[tuple[int, Any]]] | Literal[False] | None = None
         self._sent = False  # submitted since the last verb (a constant queue fuses then)
         self._signals: dict[Signal, None] = {}  # signals the commands use, checked at submit
+        # the variables the commands use, and their names (made at the first var_vals)
+        self._known: tuple[set[Variable], set[str]] | None = None
         self._waits = False
 
     # -- verbs ---------------------------------------------------------------------------
@@ -98,6 +102,7 @@ class Queue:
             self._slots.append(slot)
             self._symbols.update(dict.fromkeys(slot.symbols))
         self._last = self._fused = None
+        self._known = None
         self._sent = False
         self._commands.append(command)
         return self
@@ -226,10 +231,11 @@ class Queue:
         """The commands to send: variables bound -- or kept, inside a capture with no
         ``var_vals``, for the graph to bind at replay.
 
-        A queue is sent in its *fused* form where its device fuses C kernels (as a graph
-        replay is): each run of consecutive C kernels becomes one native call over an
-        argument table, and new values are one numpy assignment per variable into a fresh
-        copy of that table, instead of a new command per kernel. A queue with variables is
+        A queue is sent in its *fused* form where its device fuses launches (as a graph
+        replay is): each run of them becomes one fused command (``Device._fuse``; on a cpu
+        device one native call over an argument table), and new values are bound into a
+        fresh copy of it (``FusedRun.bound``: one numpy assignment per variable), instead
+        of a new command per kernel. A queue with variables is
         fused from its first submit; one without from its second: once sent, each of its
         commands keeps its native record, so a queue sent once is cheapest as built, and
         one sent again cheapest fused. Not while a tracer records (it shows every kernel)
@@ -238,6 +244,8 @@ class Queue:
         capture = current_capture()
         if var_vals is None and capture is not None:
             return list(self._commands)
+        if var_vals:
+            self._check_names(var_vals)
         fuse = capture is None and _engine.trace_hook is None
         if not self._slots:  # constants: fused from the second submit (see above)
             if fuse:
@@ -263,6 +271,32 @@ class Queue:
         self._last = (values, fuse, list(commands))
         return commands
 
+    def _check_names(self, var_vals: VarVals) -> None:
+        """Refuse a value for a variable the queue does not use (a typo would otherwise
+        leave the real one unbound, or silently run with what it was), as a replay does."""
+        known = self._known
+        if known is None:
+            found = set().union(*map(variables_of, self._symbols)) if self._symbols else set()
+            known = self._known = (found, {v.name for v in found})
+        variables, names = known
+        if type(var_vals) is not dict and not isinstance(var_vals, Mapping):
+            raise InvalidCommand(
+                f"'var_vals' must be a dict {{Variable or name: int}} "
+                f"(got {type(var_vals).__name__})"
+            )
+        for key in var_vals:
+            if key in variables or (type(key) is str and key in names):
+                continue
+            what = key.name if isinstance(key, Variable) else key
+            if isinstance(key, Variable) and key.name in names:
+                raise InvalidCommand(
+                    f"submit got a Variable {what!r} that is not the one this queue uses "
+                    f"(another Variable of that name)"
+                )
+            raise InvalidCommand(
+                f"submit got unknown variables [{what!r}] (the queue has {sorted(names)})"
+            )
+
     def _fused_form(self) -> tuple[list[Any], list[tuple[int, Any]]] | None:
         """The fused form (template, slots), made at its first use after the last verb;
         None when nothing fuses."""
@@ -284,17 +318,27 @@ class Queue:
         return self._send(self._resolve(var_vals))
 
     async def submit_async(self, var_vals: VarVals | None = None) -> Fence:
-        """Wait for room in the queue's channel, then submit (backpressure)."""
-        if aio.asyncio_caller():
-            return await aio.call(self.submit_async, var_vals)
+        """Wait for room in the queue's channel, then submit (backpressure).
+
+        Cancelled, it queued nothing: a cancellation is taken only before the batch is
+        sent (at the start, or while waiting for room); once sent, the fence is returned."""
         commands = self._resolve(var_vals)
+        if aio.asyncio_caller():
+            # The send runs here, on the asyncio task, after its last await: an asyncio
+            # cancellation can only land in the wait for room, before anything is sent.
+            while True:
+                try:
+                    return self._send(commands)
+                except QueueFull:
+                    await aio.call(self._actor.wait_for_space)
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
                 fence = self._send(commands)
             except QueueFull:
                 await self._actor.wait_for_space()
                 continue
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()  # sent: no cancellation now
             return fence
 
     def __len__(self) -> int:

@@ -1,6 +1,6 @@
 """The former home of process pipelines, kept so that ``"hcqa.workers:add_one"`` stage
 names and ``from hcqa.workers import open_process_pipeline`` keep working; everything
-lives in :mod:`hcqa.processes` now."""
+lives in :mod:`hcqa.processes` now (its ``__init__`` tells the story, "The former home")."""
 
 from __future__ import annotations
 

@@ -213,7 +213,9 @@ async def serve() -> AsyncIterator[Callable[[], Awaitable[None]]]:
         np.copyto(out, x)
 
     async with hcqa.open_devices("cpu:0") as (d0,):
-        pipe = hcqa.Pipeline([hcqa.Stage(device=d0, program=stuck)], in_shape=(2, 2), depth=2)
+        pipe = hcqa.Pipeline(
+            [hcqa.Stage(device=d0, program=stuck)], in_shape=(2, 2), depth=2, check=False
+        )
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             port = await nursery.start(

@@ -276,7 +276,9 @@ def test_task_cancel_of_a_replay_and_a_pipeline_call() -> None:
             replay.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await replay
-            pipe = hcqa.Pipeline([(d0, gated(gate)), (d1, double)], in_shape=(8,), depth=1)
+            pipe = hcqa.Pipeline(
+                [(d0, gated(gate)), (d1, double)], in_shape=(8,), depth=1, check=False
+            )
             call = asyncio.ensure_future(pipe(a))
             while pipe.statistics().in_flight < 1:
                 await asyncio.sleep(0)

@@ -99,8 +99,28 @@ def test_fastapi_example_under_uvicorn() -> None:
                     "/infer", content=b"123", headers={"content-type": "application/octet-stream"}
                 )
                 assert r.status_code == 400 and "(got 3)" in r.json()["detail"]
-                r = await client.get("/stats")
-                assert r.json()["pipeline"]["completed"] == len(xs) + 1
+                # any number of rows: one sample (JSON and raw), and 6 rows = 1 whole batch
+                # of 4 straight to the pipeline + 2 rows through the batcher
+                r = await client.post("/infer", json={"inputs": xs[1][0].tolist()})
+                assert r.status_code == 200, r.text
+                one = np.asarray(r.json()["outputs"])
+                assert one.shape == (width,)
+                want = _mlp_reference(xs[1], width)[0]
+                np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
+                six = np.concatenate([xs[2], xs[3][:2]])
+                for rows, shape in ((xs[4][:1], f"{width}"), (six, f"6,{width}")):
+                    r = await client.post(
+                        "/infer",
+                        content=rows.astype("<f4").tobytes(),
+                        headers={"content-type": "application/octet-stream"},
+                    )
+                    assert r.status_code == 200 and r.headers["x-hcqa-shape"] == shape, r.text
+                    got = np.frombuffer(r.content, "<f4").reshape(len(rows), width)
+                    want = _mlp_reference(rows, width)
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+                stats = (await client.get("/stats")).json()
+                assert stats["batcher"]["samples"] == 4  # the lone rows, the 2 left over
+                assert stats["pipeline"]["completed"] == len(xs) + 2 + stats["batcher"]["batches"]
             assert aio._hosts  # the lifespan holds the devices
         finally:
             server.should_exit = True
@@ -134,6 +154,13 @@ def test_aiohttp_example() -> None:
                         np.testing.assert_array_equal((await r.json())["outputs"], (x + 1) * 2)
 
                 await asyncio.gather(*(one(k) for k in range(16)))
+                # any number of rows: a lone sample and 3 rows (a whole batch of 2 + 1 row)
+                # go through the batcher where they do not fill a batch
+                for x in (np.arange(4, dtype=np.float32), np.arange(12, dtype=np.float32)):
+                    x = x.reshape(-1, 4) if len(x) > 4 else x
+                    async with session.post("/infer", json={"inputs": x.tolist()}) as r:
+                        assert r.status == 200, await r.text()
+                        np.testing.assert_array_equal((await r.json())["outputs"], (x + 1) * 2)
                 async with session.post("/infer", json={"inputs": [1, 2]}) as r:
                     assert r.status == 400
         finally:
@@ -254,7 +281,7 @@ def _gated_pipeline(device: Any, in_shape: tuple[int, ...]) -> tuple[Any, thread
         gate.wait(TIMEOUT)
         np.copyto(out, x)
 
-    return hcqa.Pipeline([(device, gated)], in_shape=in_shape, depth=1), gate
+    return hcqa.Pipeline([(device, gated)], in_shape=in_shape, depth=1, check=False), gate
 
 
 LEAVERS = 6

@@ -155,3 +155,52 @@ def test_a_full_run_warms_up_then_says_what_the_figure_depends_on(
     whole = [e for e in events if e.get("ph") == "X" and e.get("name") == "mlp"]
     warm = 2 * 2  # 2 * depth microbatches a pass
     assert len(whole) == 8 + warm * demo.WARM_PASSES  # every warm-up pass ran
+
+
+def test_opencl_without_pyopencl_fails_before_writing_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """No weights file, no trace: the previous trace stays; the error is one line with the
+    install hint."""
+    monkeypatch.setitem(sys.modules, "pyopencl", None)
+    trace = tmp_path / "t.json"
+    trace.write_text('{"previous": "good"}')
+    argv = ["demo", "--quick", "--device", "opencl", "--no-progress", "--trace", str(trace)]
+    assert cli_main([*argv, "--workdir", str(tmp_path / "w")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert "--device opencl needs PyOpenCL" in line and "pip install -e '.[opencl]'" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]
+    assert trace.read_text() == '{"previous": "good"}'
+
+
+def test_a_failed_run_keeps_the_previous_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The trace is written beside its path and renamed onto it only once the run finished:
+    a run that fails leaves the previous trace as it was, and no partial file."""
+    trace = tmp_path / "t.json"
+    trace.write_text('{"previous": "good"}')
+
+    async def fails(*args: Any) -> Any:
+        import trio
+
+        await trio.sleep(0)
+        raise RuntimeError("a stage failed")
+
+    monkeypatch.setattr(demo, "run_threads", fails)
+    argv = ["demo", "--quick", "--no-progress", "--trace", str(trace)]
+    assert cli_main([*argv, "--workdir", str(tmp_path / "w")]) != 0
+    assert "a stage failed" in capsys.readouterr().err
+    assert trace.read_text() == '{"previous": "good"}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "w"]
+    monkeypatch.undo()
+    out = _run(["--trace", str(trace), "--workdir", str(tmp_path / "w")], capsys)
+    assert f"trace: {trace};" in out and "traceEvents" in trace.read_text()
+
+
+def test_the_opencl_figure_names_no_blas() -> None:
+    said = demo.depends(cores=2, blas_limited=False, load=1.0, shared_device="opencl:0")
+    assert "BLAS" not in said and "opencl:0's compute units" in said
+    assert "BLAS threads (1 per device)" in demo.depends(cores=2, blas_limited=True, load=1.0)

@@ -120,7 +120,7 @@ async def test_a_short_copy_of_a_file_mapping_goes_to_the_copy_engine(tmp_path: 
     of the same size may run inline."""
     import mmap
 
-    from hcqa.devices.buffer import host_ref
+    from hcqa.devices.hostarrays import host_ref
 
     path = tmp_path / "data.bin"
     data = np.arange(4096, dtype=np.uint8)
@@ -276,7 +276,7 @@ async def _ran_on(d: hcqa.Device, prog: hcqa.Program, buf: hcqa.Buffer) -> tuple
 
 
 async def test_a_short_kernel_runs_inline_once_measured_and_stays_exact() -> None:
-    from hcqa.devices.program import INLINE_AFTER
+    from hcqa.devices.launch import INLINE_AFTER
 
     async with hcqa.open_device("cpu:0", inline_kernels=True) as d:
         buf = d.alloc(16)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -112,7 +113,7 @@ async def test_copies_and_saxpy_against_numpy() -> None:
 async def test_launches_in_one_submit_each_get_their_own_arguments() -> None:
     """Consecutive launches of one kernel in one batch, resubmitted: each launch runs with
     its own buffers and vals (arguments are set only where they differ from the kernel's)."""
-    n = 64
+    n = 128  # the view below starts at 512 bytes: NVIDIA's OpenCL aligns sub-buffers to 512
     async with hcqa.open_device("opencl:0") as g:
         a = g.alloc(shape=(n,), dtype="float32")
         b = g.alloc(shape=(n,), dtype="float32")
@@ -122,7 +123,7 @@ async def test_launches_in_one_submit_each_get_their_own_arguments() -> None:
             await buf.copyin(np.zeros(buf.shape, np.float32))
         await x.copyin(np.ones(n, np.float32))
         k = g.program("saxpy", SOURCE)
-        tail = big.view(n * 4, n * 4, dtype="float32")  # a sub-buffer at 256 bytes
+        tail = big.view(n * 4, n * 4, dtype="float32")  # a sub-buffer at 512 bytes
         q = g.compute_queue()
         geo = {"global_size": (n // 16, 1, 1), "local_size": (16, 1, 1)}
         for y, m in ((a, 1), (a, 1), (b, 2), (a, 3), (tail, 5), (tail, 5), (b, 7)):
@@ -372,6 +373,8 @@ async def test_driver_failure_at_enqueue_is_a_sticky_device_fault() -> None:
         y = g.alloc(shape=(4,), dtype="int32")
         k = g.program("inc", SOURCE)
         too_many = int(g.cl_device.max_work_group_size) * 2  # the driver refuses the group
+        # (hcqa refuses it first, InvalidCommand: lift its limits so the driver sees it)
+        k._limits = attrs.evolve(k._limits, group=too_many, items=(too_many,) * 3)
         fence = k(y, local_size=(too_many, 1, 1))
         with pytest.raises(hcqa.DeviceFault, match="program 'inc' failed") as info:
             await fence

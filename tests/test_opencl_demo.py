@@ -45,6 +45,7 @@ def test_demo_on_two_opencl_devices_matches_numpy_and_traces_the_kernels(tmp_pat
     assert check.rstrip().endswith("ok") and "vs numpy" in check
     assert "pipeline, 2 OpenCL devices (opencl:0, " in out
     assert "4 OpenCL kernel stages" in out
+    assert "BLAS" not in out  # no BLAS runs the stages: no line about its threads
     events = json.loads(trace.read_text())["traceEvents"]
     pids = {
         e["pid"]: e["args"]["name"]

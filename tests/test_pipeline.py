@@ -172,7 +172,7 @@ async def test_backpressure_at_most_depth_in_flight() -> None:
 
     results: dict[int, float] = {}
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-        pipe = Pipeline([(d0, first), (d1, second)], in_shape=(4,), depth=2)
+        pipe = Pipeline([(d0, first), (d1, second)], in_shape=(4,), depth=2, check=False)
 
         async def call(i: int) -> None:
             results[i] = float((await pipe(np.full(4, i, np.float32)))[0])
@@ -413,7 +413,7 @@ async def test_more_in_flight_than_queue_capacity_waits_instead_of_queue_full() 
         np.add(a, 1, out=out)
 
     async with hcqa.open_devices("cpu:0", "cpu:1", queue_depth=4) as (d0, d1):
-        pipe = Pipeline([(d0, dbl), (d1, first_blocks)], in_shape=(4,), depth=4)
+        pipe = Pipeline([(d0, dbl), (d1, first_blocks)], in_shape=(4,), depth=4, check=False)
         results: dict[int, float] = {}
 
         async def call(i: int) -> None:
@@ -441,7 +441,8 @@ async def test_cancelled_work_still_counts_against_depth() -> None:
 
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe = Pipeline(
-            [(d0, counting_dbl), (d1, gated_stage(gate, entered))], in_shape=(4,), depth=1
+            [(d0, counting_dbl), (d1, gated_stage(gate, entered))], in_shape=(4,), depth=1,
+            check=False,
         )
         try:
             async with trio.open_nursery() as nursery:
@@ -596,3 +597,76 @@ async def test_output_leaves_on_the_last_stage_s_compute_queue() -> None:
     staged = await _last_device_batches(False, n)
     # the same work on both, but each copy-out moved from the copy queue to the compute queue
     assert visible == (staged[0] + n, staged[1] - n), (visible, staged)
+
+
+# -- footguns caught when the pipeline is built ----------------------------------------------
+
+
+async def test_stage_that_returns_its_result_is_refused_when_built() -> None:
+    """``return a * 2`` would leave ``out`` as it was (hcqa drops a kernel's return value):
+    the build's dry run refuses it, saying to write into ``out``; returning ``out`` itself
+    (what ``np.add(..., out=out)`` gives back) is fine."""
+
+    def returns(out: F32, a: F32) -> F32:
+        return a * 2
+
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        with pytest.raises(InvalidCommand, match=r"stage 0: .*must write its result into its "
+                           r"output buffer \(got an array \(float32 \(4,\)\) returned"):
+            Pipeline([(d0, returns)], in_shape=(4,))
+        with pytest.raises(InvalidCommand, match=r"got a number"):
+            Pipeline([Stage(device=d0, program=lambda out, a: a.sum(), out_shape=1)], in_shape=4)
+        pipe = Pipeline([(d0, lambda out, a: np.add(a, 1, out=out))], in_shape=(4,))
+        np.testing.assert_array_equal(await pipe(np.zeros(4, np.float32)), np.ones(4))
+
+
+async def test_missing_or_wrong_out_shape_is_refused_when_built() -> None:
+    """A stage that writes another shape than its ``out`` (no ``out_shape``, or a wrong
+    one) is ``InvalidCommand`` at build, naming the stage and the shapes -- not a sticky
+    DeviceFault at the first microbatch; the devices stay usable."""
+
+    def widen(out: F32, a: F32) -> None:
+        out[...] = np.concatenate([a, a], axis=1)
+
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        with pytest.raises(InvalidCommand, match=r"stage 1 \('stage1'\) failed a dry run .*"
+                           r"input float32\[2, 3\], out float32\[2, 3\].*could not broadcast"):
+            Pipeline([(d0, dbl), (d1, widen)], in_shape=(2, 3))
+        with pytest.raises(InvalidCommand, match=r"out float32\[2, 5\].*out_shape"):
+            Pipeline([Stage(device=d0, program=widen, out_shape=(2, 5))], in_shape=(2, 3))
+        pipe = Pipeline([(d0, dbl), Stage(device=d1, program=widen, out_shape=(2, 6))],
+                        in_shape=(2, 3))
+        got = await pipe(np.ones((2, 3), np.float32))
+        np.testing.assert_array_equal(got, np.full((2, 6), 2.0))
+        with pytest.raises(InvalidCommand, match="'check' must be a bool"):
+            Pipeline([(d0, dbl)], in_shape=4, check=1)  # type: ignore[arg-type]
+
+
+async def test_dry_run_calls_each_python_stage_once_and_check_false_none() -> None:
+    """The dry run is one call per Python stage on zeros of its shapes (params too), with
+    its vals and launch sizes; ``check=False`` makes none."""
+    seen: list[tuple[Any, ...]] = []
+
+    def stage(out: F32, a: F32, w: F32, n: int, *, global_size: Any) -> None:
+        seen.append((a.shape, w.shape, float(a.sum() + w.sum()), n, global_size))
+        np.add(a, w, out=out)
+
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        w = d0.alloc(shape=(3,), dtype="float32")
+        await w.copyin(np.ones(3, np.float32))
+        st = Stage(device=d0, program=stage, params=(w,), vals=(7,), global_size=(3, 1, 1))
+        pipe = Pipeline([st], in_shape=3, depth=3)
+        assert seen == [((3,), (3,), 0.0, 7, (3, 1, 1))]  # zeros, not the weights
+        Pipeline([st], in_shape=3, check=False)
+        assert len(seen) == 1
+        np.testing.assert_array_equal(await pipe(np.ones(3, np.float32)), np.full(3, 2.0))
+
+
+async def test_kernel_that_returns_its_result_faults_with_the_fix() -> None:
+    """Outside a pipeline the engine sees the returned array: the fault says to write into
+    the output buffer (never a silent zero result)."""
+    async with hcqa.open_devices("cpu:0") as (d0,):
+        prog = d0.program("ret", lambda out, a: a + 1)
+        a, out = d0.alloc(shape=4, dtype="float32"), d0.alloc(shape=4, dtype="float32")
+        with pytest.raises(DeviceFault, match="must write its result into its output buffer"):
+            await prog(out, a)

@@ -78,6 +78,7 @@ async def server(
             ],
             in_shape=SUMS_IN,
             depth=depth,
+            check=False,  # no dry run of a kernel that may wait on a test's gate
         )
         aff = hcqa.Pipeline([hcqa.Stage(device=d1, program=affine)], in_shape=AFFINE_IN)
         models = [Model(name="sums", pipeline=sums), Model(name="affine", pipeline=aff)]
@@ -637,3 +638,49 @@ async def test_bad_content_encodings(
         assert r.status_code == status, r.content
         for word in words:
             assert word in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "words"),
+    [
+        # '²' passes str.isdigit but not int(); 5000 digits pass isdigit but int() refuses them
+        ({"inference-header-content-length": "\u00b2"}, NESTED_OK, ["Inference-Header", "'²'"]),
+        ({"inference-header-content-length": "9" * 5000}, NESTED_OK, ["Inference-Header"]),
+        (
+            {},
+            json.dumps({"parameters": {"timeout": 10**400}, "inputs": []}).encode(),
+            ["'timeout'", "and <= 18446744073709551615", "(401 characters)"],
+        ),
+    ],
+)
+async def test_numbers_too_odd_for_int_or_float_are_a_400(
+    headers: dict[str, str], body: bytes, words: list[str]
+) -> None:
+    async with server() as (port, _), http(port) as c:
+        h = {k: v.encode("latin-1") for k, v in headers.items()}  # '²' is the byte 0xB2
+        r = await c.post("/v2/models/sums/infer", content=body, headers=h)
+        assert r.status_code == 400, r.content
+        error = r.json()["error"]
+        assert "Traceback" not in error
+        for word in words:
+            assert word in error, error
+        r = await c.post("/v2/models/sums/infer", content=NESTED_OK)  # the server goes on
+        assert r.status_code == 200, r.content
+
+
+async def test_every_gzip_member_is_read() -> None:
+    whole = json.dumps(_inp([[1, 2, 3], [4, 5, 6]], [2, 3])).encode()
+    cut = len(whole) // 2
+    body = gzip.compress(whole[:cut]) + gzip.compress(whole[cut:])  # what `cat a.gz b.gz` makes
+    async with server() as (port, _), http(port) as c:
+        r = await c.post(
+            "/v2/models/sums/infer", content=body, headers={"content-encoding": "gzip"}
+        )
+        assert r.status_code == 200, r.content
+        assert r.json()["outputs"][0]["data"] == [12.0, 30.0]
+        r = await c.post(  # a bomb of several members: bounded across them all
+            "/v2/models/sums/infer",
+            content=gzip.compress(b" " * (1 << 20)) * 3,
+            headers={"content-encoding": "gzip"},
+        )
+        assert r.status_code == 413, r.content

@@ -201,3 +201,46 @@ def test_summary_points_to_perfetto(tmp_path: Path, capsys: pytest.CaptureFixtur
         .splitlines()[-1]
         .startswith(f"to zoom, pan and inspect every event: open {path}")
     )
+
+
+def test_region_labels_are_measured_named_shortened_or_numbered(tmp_path: Path) -> None:
+    """A region's name is drawn only where its rendered width fits its bar: a wide region
+    shows its name, a narrower one its name without the parenthesised part, a narrow one a
+    number that the legend spells out -- never a cut or overlapping name."""
+    regions = (
+        ("warm-up: pipeline (OpenCL)", 0, 50_000),  # wide: the whole name
+        ("pipeline (OpenCL with a long note) 1-16", 50_000, 15_000),  # the short form fits
+        ("1 OpenCL device 1-16", 65_000, 6_000),  # narrow: numbered
+        ("1 OpenCL device 17-32", 71_000, 6_000),
+        ("x", 77_000, 23_000),
+    )
+    info = hcqa.trace.plot(_trace([("k", 0, 100_000)], regions), tmp_path / "r.png")
+    assert info.regions == tuple(r[0] for r in regions)
+    assert info.region_labels == (
+        "warm-up: pipeline (OpenCL)", "pipeline 1-16", "[1]", "[2]", "x",
+    )  # fmt: skip
+    assert info.legend[-2:] == (
+        "region [1]: 1 OpenCL device 1-16", "region [2]: 1 OpenCL device 17-32",
+    )  # fmt: skip
+    # too narrow for a number, or past the numbers one legend can list: unlabelled, counted
+    tiny = tuple((f"region {i}", i * 10, 10) for i in range(400))
+    many = hcqa.trace.plot(_trace([("k", 0, 4000)], tiny), tmp_path / "t.png")
+    assert set(many.region_labels) == {""}
+    assert many.legend == ("k", "400 regions too narrow to label (zoom: --region, --from/--to)")
+    some = tuple((f"region number {i}", i * 5000, 5000) for i in range(20))  # room: a number
+    numbered = hcqa.trace.plot(_trace([("k", 0, 100_000)], some), tmp_path / "n.png")
+    assert numbered.region_labels == (*(f"[{i + 1}]" for i in range(12)), *[""] * 8)
+    assert numbered.legend[1] == "region [1]: region number 0" and len(numbered.legend) == 14
+
+
+def test_a_step_that_held_the_loop_says_how_long(tmp_path: Path) -> None:
+    """A trio step long enough to matter (a blocking build on the loop) is labelled with
+    the time it held the loop; short steps are not."""
+    doc = _trace([("k", 0, 3_000_000)])
+    doc["traceEvents"] += [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "main"}},
+        {"ph": "X", "name": "main", "cat": "trio", "pid": 1, "tid": 5, "ts": 0, "dur": 2_650_000},
+        {"ph": "X", "name": "main", "cat": "trio", "pid": 1, "tid": 5, "ts": 2_700_000, "dur": 40},
+    ]
+    info = hcqa.trace.plot(doc, tmp_path / "s.png")
+    assert info.long_steps == ("loop held 2.65 s",)

@@ -51,13 +51,15 @@ void hcqa_full_fence(void) { atomic_thread_fence(memory_order_seq_cst); }
 /* -- the timeline: steps completed in any order, the signal shows the completed prefix -- */
 
 #define WRAP (1ULL << 31)
+/* Steps are the Python timeline's modulo 2**64 (it passes 2**64 after a timeline_start near
+   it): 2**64 is a multiple of WRAP, so epochs and values keep their parity and numbers. */
 static uint64_t tl_epoch(uint64_t s) { return s > 0 ? (s - 1) / WRAP : 0; }
 static uint64_t tl_value(uint64_t s) { return s > 0 ? (s - 1) % WRAP + 1 : 0; }
 
 typedef struct {
     pthread_mutex_t mu;
     uint64_t done;
-    uint64_t *pend;  /* sorted ascending */
+    uint64_t *pend;  /* sorted by distance ahead of done */
     size_t npend, cap;
     uint64_t *slot[2];
     int fd[2];
@@ -102,7 +104,8 @@ static int tl_pend(tl_t *t, uint64_t seq) {
         t->pend = p; t->cap = cap;
     }
     size_t i = t->npend;
-    while (i > 0 && t->pend[i - 1] > seq) { t->pend[i] = t->pend[i - 1]; i--; }
+    /* ordered by distance ahead of `done` (wrapping): the same order across 2**64 */
+    while (i > 0 && t->pend[i - 1] - t->done > seq - t->done) { t->pend[i] = t->pend[i - 1]; i--; }
     t->pend[i] = seq;
     t->npend++;
     return 0;

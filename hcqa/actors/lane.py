@@ -328,4 +328,7 @@ def _step(c: Any) -> Native | None:
     if addr is None:
         return None
     # the timeline as the "signal": this lane is noted on it, so closing it waits for the lane
-    return _pack(OP_STEP, addr, c.seq, int(tl.take_foreign(c.seq)), 0), tl, None
+    seq = c.seq
+    if seq >= 1 << 63:  # the C timeline takes steps modulo 2**64 (see lane_c.py), as int64
+        seq = (seq + (1 << 63)) % (1 << 64) - (1 << 63)
+    return _pack(OP_STEP, addr, seq, int(tl.take_foreign(c.seq)), 0), tl, None

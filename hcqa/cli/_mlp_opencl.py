@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import hcqa
 from hcqa.cli._mlp import F32, Layout, MlpSpec, Timed, _timed, load_params
+from hcqa.trace import region
 
 if TYPE_CHECKING:
     from hcqa.cli._console import Bar
@@ -69,15 +70,27 @@ def check_spec(spec: MlpSpec) -> str | None:
     return None
 
 
-def _stages(
-    device: hcqa.Device, params: Sequence[hcqa.Buffer], layers: range, spec: MlpSpec
+async def _programs(device: hcqa.Device, layers: range) -> dict[int, hcqa.Program]:
+    """One program per layer (the same source, built off the loop), so a trace names and
+    colours each layer's kernels apart: ``layer1``, ``layer2``, ..."""
+    return {
+        layer: await device.program_async(f"layer{layer + 1}", LAYER, entry="layer")
+        for layer in layers
+    }
+
+
+async def _stages(
+    device: hcqa.Device,
+    progs: dict[int, hcqa.Program],
+    params: Sequence[hcqa.Buffer],
+    layers: range,
+    spec: MlpSpec,
 ) -> list[hcqa.Stage]:
-    prog = device.program("layer", LAYER, entry="layer")
     groups = (spec.hidden // TILE, spec.batch_size // TILE, 1)
     return [
         hcqa.Stage(
             device=device,
-            program=prog,
+            program=progs[layer],
             params=(params[2 * i], params[2 * i + 1]),
             vals=(spec.hidden,),
             name=f"layer{layer + 1}",
@@ -97,11 +110,13 @@ async def build_pipelines(
     first = await load_params(d0, path, layout, range(half), h)
     second = await load_params(d1, path, layout, range(half, spec.layers), h)
     rest_on_d0 = await load_params(d0, path, layout, range(half, spec.layers), h)
+    on_d0 = await _programs(d0, range(spec.layers))
+    on_d1 = await _programs(d1, range(half, spec.layers))
     split = [
-        *_stages(d0, first, range(half), spec),
-        *_stages(d1, second, range(half, spec.layers), spec),
+        *await _stages(d0, on_d0, first, range(half), spec),
+        *await _stages(d1, on_d1, second, range(half, spec.layers), spec),
     ]
-    whole = _stages(d0, first + rest_on_d0, range(spec.layers), spec)
+    whole = await _stages(d0, on_d0, first + rest_on_d0, range(spec.layers), spec)
     shape = (spec.batch_size, spec.hidden)
     return (
         hcqa.Pipeline(split, in_shape=shape, depth=depth),
@@ -122,7 +137,8 @@ async def run_opencl(
 ) -> Timed:
     """The layers split over two OpenCL devices against every layer on the first one."""
     async with hcqa.open_devices(*specs) as (d0, d1):
-        pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
+        with region("set-up: weights loaded, kernels built"):
+            pipe, seq = await build_pipelines(d0, d1, spec, path, layout, depth)
         sides = ("pipeline (OpenCL)", "1 OpenCL device")
         runs = await _timed(pipe, seq, xs, bar, warm, warm_seconds, sides)
         names = (d0.name, d1.name)

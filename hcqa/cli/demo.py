@@ -42,6 +42,9 @@ numpy is reported and a mismatch exits with status 1.
 The whole run is one ``trio.run``; :class:`hcqa.Tracer` is installed as an instrument and
 writes a Chrome trace (``--trace PATH``, else ``$HCQA_TRACE``, else ``hcqa-demo-trace.json``;
 ``--no-trace`` for none; read it with ``hcqa trace summary|plot`` or https://ui.perfetto.dev).
+The trace goes to a file beside PATH and is renamed onto it once the run has finished, so a
+run that fails keeps the previous trace; ``--device opencl`` checks for PyOpenCL and a device
+before it writes anything.
 :mod:`bench.bench_pipeline` reuses the building blocks here for its timed comparison.
 """
 
@@ -171,10 +174,20 @@ def verdict(
     return f"verdict: the pipeline lost ({speedup:.2f}x): {why}"
 
 
-def depends(*, cores: int, blas_limited: bool, load: float | None) -> str:
-    """What the speedup depends on, with this run's values: free cores, BLAS threads, load."""
-    blas = "1 per device" if blas_limited else "not limited"
+def depends(
+    *, cores: int, blas_limited: bool, load: float | None, shared_device: str | None = None
+) -> str:
+    """What the speedup depends on, with this run's values: free cores, BLAS threads, load.
+
+    ``shared_device``: the one OpenCL device both stages ran on, where BLAS has no part."""
     busy = f"1-minute load average {load:.1f} at the start" if load is not None else "unknown"
+    if shared_device is not None:
+        return (
+            f"the figure depends on {shared_device}'s compute units, which both stages share, "
+            f"and the host's other load ({busy}); on a busy or shared host it varies from "
+            "run to run"
+        )
+    blas = "1 per device" if blas_limited else "not limited"
     return (
         f"the figure depends on free cores (the two stages need two: {cores} here), BLAS "
         f"threads ({blas}) and the host's other load ({busy}); on a busy or shared host it "
@@ -276,11 +289,40 @@ def _one_blas_thread() -> tuple[Callable[[], contextlib.AbstractContextManager[o
     return lambda: threadpool_limits(1), True
 
 
+def _check_opencl() -> None:
+    """``--device opencl`` refused in one line before anything is written (the weights,
+    the trace) where PyOpenCL or an OpenCL device is missing."""
+    from hcqa.cli._base import CliError
+    from hcqa.devices.opencl import platforms
+
+    try:
+        devices = platforms.list_devices()
+    except platforms.OpenCLMissing as exc:
+        raise CliError(f"--device opencl needs PyOpenCL and an OpenCL driver: {exc}") from None
+    except Exception as exc:  # a broken driver install: its own words
+        raise CliError(f"--device opencl: listing the OpenCL devices failed: {exc}") from None
+    if not devices:
+        raise CliError(
+            f"--device opencl needs an OpenCL device (got none; {platforms.INSTALL_HINT} "
+            "brings PoCL, which runs on any CPU)"
+        )
+
+
+def _partial_trace(path: str) -> str:
+    """Where the run's trace is written before it is renamed onto ``path`` on success, so
+    a failed run never replaces the previous good trace (beside it: same file system)."""
+    hcqa.Tracer(path)  # refuses a path that can't be written, now
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.{os.getpid()}.partial")
+
+
 def run(args: argparse.Namespace) -> int:
     from hcqa.cli._console import progress
 
     spec = _spec(args)
     opencl = args.device == "opencl"
+    if opencl:
+        _check_opencl()
     out = sys.stdout
     mib = 4 * spec.layers * (spec.hidden + 1) * spec.hidden / 2**20
     out.write(
@@ -290,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
     trace_path = None
     if not args.no_trace:
         trace_path = args.trace or os.environ.get("HCQA_TRACE") or "hcqa-demo-trace.json"
-    instruments: list[trio.abc.Instrument] = [hcqa.Tracer(trace_path)] if trace_path else []
+    partial = _partial_trace(trace_path) if trace_path else None
+    instruments: list[trio.abc.Instrument] = [hcqa.Tracer(partial)] if partial else []
     weights, xs = make_weights(spec), make_inputs(spec)
     load_before = _load()  # the host's load before the demo adds its own
     warm = min(spec.batches, 2 * args.depth)  # fills the pipeline, touches every slot
@@ -310,18 +353,26 @@ def run(args: argparse.Namespace) -> int:
                 from hcqa.cli._mlp_opencl import run_opencl
 
                 body = run_opencl
-            timed = trio.run(
-                body,
-                spec,
-                path,
-                layout,
-                args.depth,
-                xs,
-                bar,
-                warm,
-                warm_seconds,
-                instruments=instruments,
-            )
+            try:
+                timed = trio.run(
+                    body,
+                    spec,
+                    path,
+                    layout,
+                    args.depth,
+                    xs,
+                    bar,
+                    warm,
+                    warm_seconds,
+                    instruments=instruments,
+                )
+            except BaseException:
+                if partial is not None:  # the previous trace at trace_path stays as it was
+                    with contextlib.suppress(OSError):
+                        os.unlink(partial)
+                raise
+            if partial is not None and trace_path is not None:
+                os.replace(partial, trace_path)
         half = spec.layers // 2
         where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
         blas_note = (
@@ -362,7 +413,11 @@ def run(args: argparse.Namespace) -> int:
         f"  speedup: {timed.t_seq / timed.t_pipe:.2f}x (sequential time / pipeline time; timed "
         f"A B B A after a warm-up, halves {first:.2f}x and {second:.2f}x)\n"
     )
-    out.write(f"  {depends(cores=_cores(), blas_limited=blas_limited, load=load_before)}\n")
+    shared = "opencl:0" if opencl else None
+    said = depends(
+        cores=_cores(), blas_limited=blas_limited, load=load_before, shared_device=shared
+    )
+    out.write(f"  {said}\n")
     line = verdict(
         t_pipe=timed.t_pipe,
         t_seq=timed.t_seq,
@@ -370,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
         load=load_before,
         blas_limited=blas_limited,
         processes=args.processes,
-        shared_device="opencl:0" if opencl else None,
+        shared_device=shared,
     )
     out.write(f"  {line}\n")
     if trace_path is None:

@@ -42,9 +42,8 @@ that instance; later enqueues raise it, later waits raise it (``faults.py``).
 
 from __future__ import annotations
 
+import functools
 import mmap
-import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -58,23 +57,26 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer, check_size, hazard_waits, host_ref, typed_size
+from hcqa.devices.buffer import Buffer, hazard_waits
+from hcqa.devices.builder import QueueBuilder
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
+from hcqa.devices.hostcopies import HostCopies
+from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
-from hcqa.devices.program import Program
+from hcqa.devices.program import Program, check_flags
+from hcqa.devices.sizes import check_size, typed_size
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
     DeviceClosed,
-    HcqaError,
     InvalidCommand,
     QueueFull,
 )
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
-    from hcqa.queue import Queue
+    from hcqa.devices.fusion import FusedRun
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -99,23 +101,25 @@ class DeviceStatistics:
     closed: bool
 
 
-class Device(Faults):
-    """Base class of the devices (``cpu:N``, ``cuda:N``)."""
+class Device(Faults, HostCopies, Lifetime):
+    """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
+    kinds)."""
 
     kind: ClassVar[str] = "?"
     # True where running a C kernel is exactly calling it on the host: engines then call an
-    # Exec's ready native call directly, and graphs may fuse runs of C kernels.
+    # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
-    # hcqa`` imports it): the device core sits below the builder and never imports it.
-    _queue_class: ClassVar[Callable[[Device, str], Queue]]
+    # hcqa`` imports it): the device core sits below the builder and names it only through
+    # the QueueBuilder protocol (``builder.py``).
+    _queue_class: ClassVar[Callable[[Device, str], QueueBuilder]]
     # True where a buffer's ``va_addr`` is host memory any thread may read and write (cpu);
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
     host_memory: ClassVar[bool] = True
     # True where what the executor caches on an Exec (``Exec.native``) describes the call
     # alone and holds no memory (the cpu lane's records): a program's launch record then
-    # hands it to its repeat calls (``program._Launch``), which a record keeping memory
+    # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
     # objects alive must not.
     shares_native: ClassVar[bool] = False
 
@@ -157,7 +161,9 @@ class Device(Faults):
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         """Build a program from ``src`` now (options: ``entry``, ``writes``, ``reads``,
-        ``geometry``); refuse what this backend can't run with :class:`InvalidCommand`."""
+        ``geometry``, ``flags``: a checked tuple of str); refuse what this backend can't
+        run with :class:`InvalidCommand`. May run in a worker thread (``program_async``):
+        touch nothing the loop's thread changes."""
         raise NotImplementedError
 
     def _executor(self, kind: str) -> Executor:
@@ -183,6 +189,21 @@ class Device(Faults):
         inline on the caller's thread (see ``actor.py``): only what surely takes a few
         tens of microseconds. None by default."""
         return False
+
+    # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
+        submitted again then send each run of such launches as one command, made by
+        :meth:`_fuse`. None by default."""
+        return False
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
+        """One command that runs every launch of ``run`` (two or more, each
+        :meth:`_fusable`, in a row on one queue), in order: a
+        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
+        made at a queue's submit, on the caller's task (compile nothing)."""
+        raise NotImplementedError
 
     # -- public surface --------------------------------------------------------------------
 
@@ -265,27 +286,88 @@ class Device(Faults):
         writes: Sequence[int] | None = None,
         reads: Sequence[int] | None = None,
         geometry: bool = False,
+        flags: Sequence[str] = (),
     ) -> Program:
         """A program from a Python callable or C source (``entry`` names the function).
 
+        Builds on the calling thread: a cold C compile or OpenCL build blocks the event
+        loop for as long as it takes (tens of milliseconds to seconds). In async code use
+        :meth:`program_async`, which builds in a worker thread; this form is for scripts.
+
         ``geometry=True`` (C only): the kernel's last six ``int`` parameters receive the
         launch geometry ``gx, gy, gz, lx, ly, lz`` (a Python kernel declares keyword-only
-        ``global_size`` / ``local_size`` instead)."""
+        ``global_size`` / ``local_size`` instead).
+
+        ``flags``: compiler flags for this program, a tuple of str -- C flags for a
+        ``cpu:N`` C kernel (after hcqa's own ``-std=c11 -shared -fPIC -O2``, so a later
+        ``-O3`` or ``-std=`` wins; part of the on-disk cache key), OpenCL build options
+        for ``opencl:N``. Refused for a Python callable."""
+        options = self._program_options(name, entry, writes, reads, geometry, flags)
+        return self._make_program(name, src, **options)
+
+    async def program_async(
+        self,
+        name: str,
+        src: Any,
+        *,
+        entry: str | None = None,
+        writes: Sequence[int] | None = None,
+        reads: Sequence[int] | None = None,
+        geometry: bool = False,
+        flags: Sequence[str] = (),
+    ) -> Program:
+        """:meth:`program`, built in a worker thread: the event loop keeps running through
+        a cold compile or build (also what a fused queue's first submit would load). The
+        arguments are checked first, on the caller's task. A cancellation waits for the
+        build already running (a compiler is not interrupted) and then raises."""
+        if aio.asyncio_caller():
+            return await aio.call(
+                self.program_async,
+                name,
+                src,
+                entry=entry,
+                writes=writes,
+                reads=reads,
+                geometry=geometry,
+                flags=flags,
+            )
+        options = self._program_options(name, entry, writes, reads, geometry, flags)
+        build = functools.partial(self._make_program, name, src, **options)
+        prog = await trio.to_thread.run_sync(build)
+        self._check_usable()  # closed or faulted while it built
+        return prog
+
+    def _program_options(
+        self,
+        name: object,
+        entry: object,
+        writes: Sequence[int] | None,
+        reads: Sequence[int] | None,
+        geometry: bool,
+        flags: object,
+    ) -> dict[str, Any]:
+        """``program()``'s arguments checked (``InvalidCommand``), as ``_make_program``'s
+        options."""
         self._check_usable()
         if entry is not None and (not isinstance(entry, str) or not entry):
             raise InvalidCommand(f"'entry' must be a non-empty str or None (got {entry!r})")
         if not isinstance(name, str) or not name:
             raise InvalidCommand(f"'name' must be a non-empty str (got {name!r})")
-        return self._make_program(
-            name, src, entry=entry, writes=writes, reads=reads, geometry=geometry
-        )
+        return {
+            "entry": entry,
+            "writes": writes,
+            "reads": reads,
+            "geometry": geometry,
+            "flags": check_flags(flags),
+        }
 
-    def compute_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
+    def compute_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's compute queue (``exec`` etc.;
+        typed by its verbs, the ``QueueBuilder`` protocol: the core sits below the builder)."""
         return Device._queue_class(self, "compute")
 
-    def copy_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
+    def copy_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's copy queue (``copy`` etc.)."""
         return Device._queue_class(self, "copy")
 
     def timed(self, *, queue: str = "compute") -> TimedSpan:
@@ -399,120 +481,3 @@ class Device(Faults):
             foreign = other._timeline
             batch.append(_step_command(foreign, foreign.reserve_foreign(), None))
         return seq
-
-    # -- host copies ------------------------------------------------------------------------
-
-    def _copyin(self, buf: Buffer, src: Any) -> Fence:
-        buf._check()
-        host = host_ref(src, buf, writable=False)
-        command = _copy_command(buf, host, buf.nbytes, None)
-        return self._submit(self.copy, [command], writes=[buf], waits=False)
-
-    def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
-        """``on_compute``: on the compute queue where it takes host copies (see
-        ``_copyout_queue``), else on the copy queue."""
-        buf._check()
-        host = host_ref(dest, buf, writable=True)
-        command = _copy_command(host, buf, buf.nbytes, None)
-        queue = self._copyout_queue(on_compute)
-        return self._submit(queue, [command], reads=[buf], waits=False)
-
-    def _copyout_queue(self, on_compute: bool) -> QueueActor:
-        """The queue a copy-out runs on: the compute queue when asked for and
-        ``_copies_on_compute``, else the copy queue."""
-        return self.compute if on_compute and self._copies_on_compute() else self.copy
-
-    def _copies_on_compute(self) -> bool:
-        """Whether the compute queue's executor also runs host copies (``Copy`` commands
-        between a buffer and a host array). A pipeline then copies its last stage's output
-        out right behind the kernel on that queue, instead of on the copy engine, where it
-        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``)."""
-        return False
-
-    def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:
-        buf._check()
-        offset = check_size("offset", offset)
-        n = buf.nbytes if nbytes is None else check_size("nbytes", nbytes, minimum=1)
-        if n > buf.nbytes:
-            raise InvalidCommand(f"'nbytes' must be <= the buffer's {buf.nbytes} bytes (got {n})")
-        try:  # opened now, so a file the engine could not read is refused here
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise InvalidCommand(
-                f"load: {path!r} must be a readable file (got: {exc.strerror})"
-            ) from exc
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidCommand(f"load: {path!r} must be a regular file (got {_file_kind(st)})")
-        size = st.st_size
-        if offset + n > size:
-            raise InvalidCommand(
-                f"load: {path!r} must hold offset + nbytes = {offset + n} bytes (got {size})"
-            )
-        command = cmd.Load(dest=buf, path=path, offset=offset, nbytes=n)
-        return self._submit(self.copy, [command], writes=[buf])
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    async def _start(self, nursery: trio.Nursery) -> None:
-        await nursery.start(self.compute.run)
-        await nursery.start(self.copy.run)
-
-    def _cancel(self) -> None:
-        """Abandon pending work: engines skip what they have not started."""
-        closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
-        for actor in self._queues.values():
-            if actor.engine.error is None:
-                actor.engine.error = closed
-
-    async def _close_input(self) -> None:
-        self._closing = True
-        for actor in self._queues.values():
-            await actor.close_input()
-
-    async def _wait_foreign(self) -> None:
-        """Wait (shielded, within the hang limit) until other devices' engines have
-        completed every step that reads this device's memory."""
-        tl = self._timeline
-        if tl.foreign_done.value >= tl.foreign_reserved:
-            return
-        with trio.CancelScope(shield=True):
-            try:
-                await tl.foreign_done._wait_limited(
-                    tl.foreign_reserved, self.hang_limit, f"{self.name} closing", observe=False
-                )
-            except HcqaError:
-                self._hung = True
-                self._still_read = True  # by a stuck device: keep the memory mapped
-
-    def _release(self) -> None:
-        """Close signals and memory once the actors are done (threads joined)."""
-        self._closing = True
-        self._closed = True
-        if self._still_read or any(a.engine.alive for a in self._queues.values()):
-            self._hung = True
-            return  # a stuck engine may still write our memory and signals: leave them
-        self._timeline.close()
-        for actor in self._queues.values():
-            actor.engine.join(0)  # closes its doorbell (also for a never-started engine)
-            actor.signal.close()
-            actor.engine.exited.close()
-        self.allocator.close()
-        for mem in list(self._shared):
-            mem.close()
-
-
-def _file_kind(st: os.stat_result) -> str:
-    for test, kind in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a pipe"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(st.st_mode):
-            return kind
-    return "not a regular file"

@@ -38,7 +38,8 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.devices import backends
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.sizes import check_int
 from hcqa.errors import HcqaError, InvalidCommand
 from hcqa.signals import Fence
 
@@ -95,6 +96,8 @@ def _options(
         )
     check_int("queue_depth", queue_depth, minimum=1)
     check_int("timeline_start", timeline_start, minimum=0)
+    if timeline_start >= 1 << 64:  # timeline values are unsigned 64-bit (then they wrap)
+        raise InvalidCommand(f"'timeline_start' must be <= 2**64 - 1 (got {timeline_start})")
     if memory is None:
         memory = _default_memory()
     elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
@@ -112,7 +115,7 @@ def _options(
 @aio.rehosts
 @asynccontextmanager
 async def open_devices(*specs: str, **options: Any) -> AsyncIterator[tuple[Device, ...]]:
-    """Open devices by spec (``"cpu:0"``, ``"cuda:1"``); yields them as a tuple.
+    """Open devices by spec (``"cpu:0"``, ``"opencl:0"``, ``"cpu:1"``); yields them as a tuple.
 
     Options: ``hang_limit`` (seconds, default 30), ``host_visible`` (default True),
     ``queue_depth`` (batches per queue channel, default 1024), ``memory`` (bytes),

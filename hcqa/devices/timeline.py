@@ -20,6 +20,11 @@ Where the native library is there (``hcqa/_native/lane.py``) the completion stat
 in C (``hcqa_tl_*``): a native lane completes steps without Python, a Python engine
 through one short call, both under the same mutex. Foreign steps are known here (a
 Python set); whoever completes or encodes a step takes it out of the set.
+
+Timeline values are unsigned 64-bit: ``timeline_start`` is at most 2**64 - 1, and ``seq``
+counts on past 2**64 here, while C takes it modulo 2**64 (2**64 is a multiple of ``WRAP``,
+so a step's epoch parity and value are unchanged; its pending steps are ordered by how far
+they are ahead of the completed prefix, which holds across the boundary).
 """
 
 from __future__ import annotations

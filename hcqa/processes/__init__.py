@@ -59,6 +59,12 @@ What a worker can't do to the coordinator
     socket closes) and import nothing from its working directory. Any process of the
     same user can still open the shared memory through ``/proc/PID/fd``: that is the
     trust boundary (docs/processes.md); ``private=True`` narrows it to root.
+
+The former home
+    ``hcqa.workers`` is where process pipelines lived first. It re-exports this package's
+    names and the stock stages (``stages.py``: ``add_one``, ``identity``) so that stage names
+    such as ``"hcqa.workers:add_one"`` and ``from hcqa.workers import ...`` keep working; it
+    sits in the same layer as this package's users and holds no code of its own.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp
 
 from hcqa.batcher import Batcher
 from hcqa.errors import InvalidCommand
-from hcqa.serve.bodies import ClientGone, InputError, dumps_array, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, InputError, dumps_array, inflate, off_loop, read_body
 from hcqa.serve.hosted import Hosted, Model, Unavailable, error_status
 from hcqa.serve.inputs import Shape, from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
@@ -176,6 +176,9 @@ class _Endpoints:
             )
         spec = t.inputs[0]
         shape = Shape(spec.sample_shape, spec.dtype)
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:  # gzip (every member), deflate: bounded by max_body once inflated
+            body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
         if ctype == RAW_TYPE:
             x, single = from_raw(body, shape)
         elif len(body) > _OFFLOAD_BYTES:
@@ -267,7 +270,7 @@ def make_app(
     request's body may take to arrive, from its headers to its last byte (408 past it).
     """
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
-        raise ValueError(f"'max_pending' must be >= 1 or None (got {max_pending})")
+        raise InvalidCommand(f"'max_pending' must be >= 1 or None (got {max_pending})")
     if max_body is not None and (
         isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1
     ):

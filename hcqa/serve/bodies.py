@@ -17,6 +17,10 @@ Every protocol the server speaks reads its bodies here, so each gets the same li
   numbers, cut at commas into pieces of at most :data:`PIECE` characters -- and scalars go
   to the C scanner, so between pieces the loop gets the GIL back within the interpreter's
   switch interval. :func:`dumps_array` writes an array's JSON text the same way.
+- :func:`inflate` undoes a request's ``Content-Encoding`` (``gzip`` -- every member of it,
+  as ``gzip -d`` reads a file of several --, ``deflate``, ``identity``; anything else 415),
+  bounded by the same ``max_body`` once decompressed (a gzip bomb is 413 after at most
+  ``max_body`` bytes of output, never decompressed whole).
 - :func:`off_loop` runs such a function in a worker thread, one at a time per app (more
   threads would only compete for the GIL with the loop).
 
@@ -32,6 +36,7 @@ import json.scanner
 import logging
 import math
 import re
+import zlib
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -48,6 +53,7 @@ __all__ = [
     "Limits",
     "as_array",
     "dumps_array",
+    "inflate",
     "loads_json",
     "off_loop",
     "read_body",
@@ -127,6 +133,39 @@ async def _read(request: Request, limit: int, timeout: float) -> bytes:
 async def off_loop(limiter: anyio.CapacityLimiter, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a worker thread under ``limiter``; cancelling it abandons the thread."""
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed per its ``Content-Encoding`` (``gzip``, ``deflate`` -- zlib data,
+    what tritonclient sends -- or ``identity``), refused past ``limit`` bytes (413)."""
+    kind = encoding.strip().lower()
+    if kind in ("", "identity"):
+        return body
+    if kind not in ("gzip", "deflate"):
+        raise InputError(
+            415, f"Content-Encoding must be gzip, deflate or identity (got {encoding[:40]!r})"
+        )
+    wbits = 16 + zlib.MAX_WBITS if kind == "gzip" else zlib.MAX_WBITS
+    out: list[bytes] = []
+    size = 0
+    rest = body
+    while True:  # one gzip member (or the one zlib stream) a turn
+        d = zlib.decompressobj(wbits)
+        try:
+            piece = d.decompress(rest, limit - size + 1)
+        except zlib.error as exc:
+            raise InputError(400, f"the body is not {kind} data ({exc})") from None
+        size += len(piece)
+        if size > limit:
+            raise InputError(413, f"body larger than {limit} bytes once decompressed")
+        out.append(piece)
+        if not d.eof:
+            raise InputError(400, f"the {kind} body ends early")
+        rest = d.unused_data
+        if kind == "deflate" and rest:
+            raise InputError(400, f"the deflate body has {len(rest)} bytes after its end")
+        if not rest.strip(b"\0"):  # the end (gzip readers allow zero padding after it)
+            return b"".join(out)
 
 
 # -- JSON in pieces ---------------------------------------------------------------------------

@@ -94,11 +94,19 @@ class _Server:
             client = sock.getpeername()[:2]
             server = sock.getsockname()[:2]
             await _Connection(self, stream, client, server).run()
-        except _GONE:
-            pass
+        except Exception as exc:  # one connection's failure ends that connection, not the server
+            if not _gone(exc):
+                _log.exception("a connection failed; it is closed and the server goes on")
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await stream.aclose()
+
+
+def _gone(exc: BaseException) -> bool:
+    """Whether ``exc`` (or every exception of a group) says the client went away."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_gone(e) for e in exc.exceptions)
+    return isinstance(exc, _GONE)
 
 
 class _Connection:
@@ -204,6 +212,10 @@ class _Connection:
             req = _Request.parse(head)
         except _BadRequest as exc:
             await self._plain(exc.status, str(exc))
+            return False
+        except Exception:  # a request the checks missed: this connection's 500, not a crash
+            _log.exception("reading a request head failed")
+            await self._plain(500, "Internal Server Error")
             return False
         if late:  # not run: the client may safely send it to another server
             await self._plain(503, "the server is shutting down; send the request elsewhere")

@@ -116,7 +116,11 @@ class _Request:
             value = value.strip(b" \t")
             headers.append((name, value))
             if name == b"content-length":
-                if not value.isdigit() or (length is not None and value != length):
+                if (
+                    not value.isdigit()
+                    or len(value) > 18  # int() refuses past 4300 digits; no body is this large
+                    or (length is not None and value != length)
+                ):
                     raise _BadRequest(400, "bad Content-Length")
                 length = value
             elif name == b"transfer-encoding":

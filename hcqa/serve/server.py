@@ -41,6 +41,7 @@ import numpy.typing as npt
 import trio
 
 from hcqa.devices.base import Device
+from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand, install_hint, sole_error
 from hcqa.pipeline import Pipeline, Stage
 from hcqa.serve.app import make_app
@@ -236,7 +237,7 @@ def _hypercorn(
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
     for key, value in (options or {}).items():
         if not hasattr(config, key):
-            raise TypeError(f"hypercorn's Config has no option {key!r}")
+            raise InvalidCommand(f"hypercorn's Config has no option {key!r} (got it in 'options')")
         setattr(config, key, value)
 
     def start(app: Any, **kwargs: Any) -> Any:
@@ -378,8 +379,13 @@ async def mlp_pipeline(
     if d0.kind == "opencl" or d1.kind == "opencl":
         if sleep:
             raise InvalidCommand(f"'sleep' needs cpu devices (got {d0.name}, {d1.name})")
+        progs = [await d.program_async("dense", _DENSE_CL, entry="dense") for d in (d0, d1)]
         pipes = [
-            Pipeline(_opencl_stages(d0, d1, w1, w2, b, width), in_shape=(b, width), depth=depth)
+            Pipeline(
+                _opencl_stages((d0, d1), progs, (w1, w2), b, width),
+                in_shape=(b, width),
+                depth=depth,
+            )
             for b in sizes
         ]
         return pipes if buckets else pipes[0]
@@ -415,16 +421,23 @@ __kernel void dense(__global float *out, __global const float *x, __global const
 """
 
 
-def _opencl_stages(d0: Device, d1: Device, w1: Any, w2: Any, rows: int, width: int) -> list[Stage]:
-    """The MLP's two layers as OpenCL C kernels, an NDRange of ``width x rows`` work-items."""
+def _opencl_stages(
+    devices: Sequence[Device],
+    progs: Sequence[Program],
+    weights: Sequence[Any],
+    rows: int,
+    width: int,
+) -> list[Stage]:
+    """The MLP's two layers as OpenCL C kernels (built, one per device), an NDRange of
+    ``width x rows`` work-items."""
     return [
         Stage(
-            device=d,
-            program=d.program("dense", _DENSE_CL, entry="dense"),
+            device=device,
+            program=prog,
             params=(w,),
             vals=(width, relu),
             global_size=(width, rows, 1),
             local_size=(1, 1, 1),
         )
-        for d, w, relu in ((d0, w1, 1), (d1, w2, 0))
+        for device, prog, w, relu in zip(devices, progs, weights, (1, 0), strict=True)
     ]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from hcqa.serve.bodies import dumps_array, loads_json
+from hcqa.serve.bodies import dumps_array, inflate, loads_json
 from hcqa.serve.inputs import InputError, json_kind
 
 __all__ = [
@@ -54,6 +53,7 @@ __all__ = [
 ]
 
 HEADER_LENGTH = "inference-header-content-length"
+MAX_TIMEOUT = (1 << 64) - 1  # microseconds: Triton's uint64; larger would overflow a float
 
 #: the protocol's datatypes and the numpy dtypes they are (BYTES and BF16 are not served)
 DATATYPES: dict[str, np.dtype[Any]] = {
@@ -144,11 +144,13 @@ def parse_request(
     params = _field(doc, "parameters", dict, "") or {}
     binary_output = bool(_flag(params, "binary_data_output", "request "))
     timeout = params.get("timeout", 0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or not 0 <= timeout <= MAX_TIMEOUT:
+        shown = json.dumps(timeout)
+        shown = shown if len(shown) <= 40 else f"{shown[:20]}... ({len(shown)} characters)"
         raise InputError(
             400,
             "request parameters 'timeout' must be an integer number of microseconds >= 0 "
-            f"(got {json.dumps(timeout)[:40]})",
+            f"and <= {MAX_TIMEOUT} (got {shown})",
         )
     inputs = _field(doc, "inputs", list, "")
     want = ", ".join(f"'{s.name}'" for s in specs)
@@ -207,33 +209,12 @@ def parse_request(
     return InferRequest(request_id, ordered, asked, binary_output, timeout)
 
 
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    """``body`` decompressed per its ``Content-Encoding`` (``gzip``, ``deflate`` -- zlib data,
-    what tritonclient sends -- or ``identity``), refused past ``limit`` bytes (413)."""
-    kind = encoding.strip().lower()
-    if kind in ("", "identity"):
-        return body
-    if kind not in ("gzip", "deflate"):
-        raise InputError(
-            415, f"Content-Encoding must be gzip, deflate or identity (got {encoding[:40]!r})"
-        )
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS if kind == "gzip" else zlib.MAX_WBITS)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise InputError(400, f"the body is not {kind} data ({exc})") from None
-    if len(out) > limit:
-        raise InputError(413, f"body larger than {limit} bytes once decompressed")
-    if not d.eof:
-        raise InputError(400, f"the {kind} body ends early")
-    return out
-
-
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return body, b""
     text = header_length.strip()
-    if not text.isdigit() or int(text) > len(body):
+    # isascii: '²' passes isdigit but not int(); 18 digits: int() refuses past 4300
+    if not (text.isascii() and text.isdigit() and len(text) <= 18) or int(text) > len(body):
         raise InputError(
             400,
             f"Inference-Header-Content-Length must be a byte count <= the body's {len(body)} "

@@ -46,7 +46,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from hcqa.errors import InvalidCommand
-from hcqa.serve.bodies import ClientGone, off_loop, read_body
+from hcqa.serve.bodies import ClientGone, inflate, off_loop, read_body
 from hcqa.serve.hosted import Hosted, Model, Unavailable, error_status
 from hcqa.serve.http import DISCONNECT
 from hcqa.serve.inputs import InputError
@@ -55,7 +55,6 @@ from hcqa.serve.tensors import (
     HEADER_LENGTH,
     TensorSpec,
     encode_response,
-    inflate,
     parse_request,
 )
 

@@ -9,6 +9,13 @@ lines *behind* the bars. At most ``max_flows`` of them are drawn, picked evenly 
 trace, and the title says how many of how many. It returns a :class:`PlotInfo` saying what it
 drew, for tests and for the command's one-line report.
 
+Labels are measured, not guessed: once the layout is known, each region's name is drawn in
+its bar only if its rendered width fits there; otherwise a shorter form (without its
+parenthesised part), else a number whose name the legend lists under "regions", else
+nothing (the legend still lists it). A trio task step long enough to matter (at least
+``LONG_STEP_US`` and a visible share of the window) -- the event loop held, by a blocking
+call such as a build on the loop -- is labelled in its bar with how long it held the loop.
+
 The document is checked and sorted into tracks by :mod:`hcqa.trace.reading`; matplotlib is
 imported only inside the functions that draw or pick colours.
 """
@@ -22,11 +29,14 @@ from typing import Any, Literal
 
 import attrs
 
+from hcqa.errors import InvalidCommand
 from hcqa.trace.reading import Event, Track, _busy, _clip, _ms, _view, check
 
 __all__ = ["PlotInfo", "plot", "stable_colors"]
 
 FlowMode = Literal["sample", "all", "none"]
+LONG_STEP_US = 50_000.0  # a trio step this long held the event loop: its bar says so
+MAX_NUMBERED = 12  # regions numbered in one plot (each a legend line)
 
 
 @attrs.frozen(kw_only=True)
@@ -45,6 +55,10 @@ class PlotInfo:
     regions: tuple[str, ...] = ()
     window: tuple[float, float] = (0.0, 0.0)
     busy_share: float = 0.0  # of the window, the share in which some device queue was busy
+    # what each region's bar says (its name, a shorter form, "[k]" listed in the legend, or
+    # "" where not even that fits), in the order of ``regions``
+    region_labels: tuple[str, ...] = ()
+    long_steps: tuple[str, ...] = ()  # the labels of trio steps that held the loop
 
 
 def _flow_pairs(events: Sequence[Event], rows: Mapping[Track, int]) -> list[tuple[Event, Event]]:
@@ -112,12 +126,62 @@ def _levels(regions: Sequence[Event]) -> list[int]:
     return levels
 
 
-def _fit(label: str, width_px: float, char_px: float = 6.5) -> str:
-    """``label`` shortened with an ellipsis to fit ``width_px``; '' if not even 3 chars fit."""
-    room = int((width_px - 6) / char_px)
-    if room >= len(label):
-        return label
-    return label[: room - 1] + "…" if room >= 3 else ""
+def _short(name: str) -> str:
+    """A region's name without its parenthesised parts: 'pipeline (OpenCL) 1-16' ->
+    'pipeline 1-16' (the name itself if it has none)."""
+    out, depth = [], 0
+    for ch in name:
+        depth += ch == "("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    return " ".join("".join(out).split()) or name
+
+
+def _label_regions(
+    ax: Any, bars: Sequence[tuple[float, float, int, str]], renderer: Any
+) -> tuple[list[str], list[tuple[str, str]], list[Any]]:
+    """Draw each region's label where it fits (see the module doc). ``bars``: (x start,
+    x end, level, name). Returns what each bar says ('' for nothing), the (number, name)
+    pairs the legend must list (at most ``MAX_NUMBERED``), and the text artists drawn."""
+    said: list[str] = []
+    key: list[tuple[str, str]] = []
+    artists: list[Any] = []
+    for a, b, level, name in bars:
+        (x0, _), (x1, _) = ax.transData.transform([(a, level), (b, level)])
+        room = x1 - x0 - 10  # px, a little air on each side
+        short = _short(name)
+        forms = [name] if short == name else [name, short]
+        number = f"[{len(key) + 1}]"
+        here = ""
+        for form in [*forms, number] if len(key) < MAX_NUMBERED else forms:
+            t = ax.text((a + b) / 2, level, form, ha="center", va="center", fontsize=7.5, zorder=4)
+            if t.get_window_extent(renderer).width <= room:
+                here = form
+                artists.append(t)
+                break
+            t.remove()
+        if here == number:
+            key.append((number, name))
+        said.append(here)
+    return said, key, artists
+
+
+def _label_long_steps(
+    ax: Any, steps: Sequence[tuple[float, float, float, int]], renderer: Any
+) -> list[str]:
+    """Label each trio step in ``steps`` (x start, x width, µs, row) with how long it held
+    the event loop, where the label fits in its bar."""
+    said = []
+    for a, w, dur, row in steps:
+        text = f"loop held {dur / 1e6:.2f} s" if dur >= 1e6 else f"loop held {dur / 1e3:.0f} ms"
+        t = ax.text(a + w / 2, row, text, ha="center", va="center", fontsize=7, zorder=4)
+        (x0, _), (x1, _) = ax.transData.transform([(a, row), (a + w, row)])
+        if t.get_window_extent(renderer).width <= x1 - x0 - 4:
+            said.append(text)
+        else:
+            t.remove()
+    return said
 
 
 def plot(
@@ -139,13 +203,14 @@ def plot(
     ``start_ms`` / ``end_ms`` (ms since the trace's first range) or ``region`` (a region's
     name: from the first such region's start to the last one's end) zoom in on a window;
     ranges are cut at its edges and busy shares are of the window."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     if flows not in ("sample", "all", "none"):
-        raise ValueError(f"flows must be 'sample', 'all' or 'none' (got {flows!r})")
+        raise InvalidCommand(f"flows must be 'sample', 'all' or 'none' (got {flows!r})")
     v = _view(doc)
     events = check(doc)
     t0 = min((e["ts"] for e in v.ranges), default=0.0)
@@ -155,7 +220,7 @@ def plot(
         named = [r for r in v.regions if r["name"] == region]
         if not named:
             known = ", ".join(repr(n) for n in dict.fromkeys(r["name"] for r in v.regions))
-            raise ValueError(
+            raise InvalidCommand(
                 f"'region' must name a region of the trace ({known or 'it has none'}; "
                 f"got {region!r})"
             )
@@ -165,7 +230,7 @@ def plot(
     if end_ms is not None:
         hi = t0 + end_ms * 1000
     if hi <= lo and (start_ms is not None or end_ms is not None):
-        raise ValueError(f"the window must end after it starts (got {start_ms} to {end_ms} ms)")
+        raise InvalidCommand(f"the window must end after it starts (got {start_ms} to {end_ms} ms)")
     span_us = hi - lo
     unit, scale = ("s", 1e6) if span_us >= 1e6 else ("ms", 1e3)
 
@@ -207,20 +272,29 @@ def plot(
 
     n_rows = len(all_labels)
     fig = Figure(figsize=(13, 2.0 + 0.38 * max(1, n_rows)))
+    renderer = FigureCanvasAgg(fig).get_renderer()  # type: ignore[no-untyped-call]
     ax = fig.add_subplot()
     min_w = span_us * 0.0008 / scale  # a step too short to see still shows as a tick
+    long_steps: list[tuple[float, float, float, int]] = []  # (x, width, us, row)
     for k, es in tracks.items():
         if k not in row:
             continue
         spans = [(x(a), max(d / scale, min_w)) for a, d, _ in es]
+        if k[0] == v.trio_pid:
+            long_steps += [
+                (x(a), d / scale, d, row[k])
+                for a, d, _ in es
+                if d >= LONG_STEP_US and span_us > 0 and d / span_us >= 0.02
+            ]
         face: list[Any] = [trio_color if k[0] == v.trio_pid else colors[n] for _, _, n in es]
         ax.broken_barh(spans, (row[k] - 0.38, 0.76), facecolors=face, linewidth=0, zorder=2)
     if dev_keys and task_keys:
         ax.axhline(n_region_rows + len(dev_keys) - 0.5, color="0.3", lw=0.8, zorder=3)
 
-    # Regions: a labelled bar per region in the rows on top; the outermost ones also shade
-    # the rows below, every other one, with a line where each starts and ends.
-    ax_px = 13 * 110 * 0.72  # the axes' width in pixels, near enough to fit labels
+    # Regions: a bar per region in the rows on top (labelled once the layout is known); the
+    # outermost ones also shade the rows below, every other one, with a line where each
+    # starts and ends.
+    region_bars: list[tuple[float, float, int, str]] = []
     for i, (r, level) in enumerate(zip(regions, levels, strict=True)):
         a, b = max(r["ts"], lo), min(r["ts"] + r["dur"], hi)
         ax.broken_barh(
@@ -231,9 +305,7 @@ def plot(
             linewidth=0.6,
             zorder=2,
         )
-        text = _fit(r["name"], (b - a) / span_us * ax_px if span_us > 0 else 0.0)
-        if text:
-            ax.text(x((a + b) / 2), level, text, ha="center", va="center", fontsize=7.5, zorder=4)
+        region_bars.append((x(a), x(b), level, r["name"]))
         if level == 0:
             if i % 2 == 0:
                 ax.axvspan(x(a), x(b), color="0.5", alpha=0.06, lw=0, zorder=0)
@@ -295,17 +367,44 @@ def plot(
         handles.append(Patch(color=trio_color, label="trio task step"))
     if chosen:
         handles.append(Line2D([], [], color="0.1", lw=0.8, alpha=0.6, label="cross-queue wait"))
-    if handles:
-        ax.legend(
-            handles=handles,
-            fontsize=8,
-            loc="upper left",
-            bbox_to_anchor=(1.005, 1.0),
-            frameon=False,
-            title="legend",
-            title_fontsize=8,
-        )
-    fig.tight_layout()
+
+    def lay_out(key: Sequence[tuple[str, str]], unlabelled: int = 0) -> None:
+        listed = [Patch(color="none", label=f"region {n}: {name}") for n, name in key]
+        if unlabelled:
+            note = f"{unlabelled} region{'s' if unlabelled > 1 else ''} too narrow to label"
+            listed.append(Patch(color="none", label=f"{note} (zoom: --region, --from/--to)"))
+        if handles or listed:
+            ax.legend(
+                handles=[*handles, *listed],
+                fontsize=8,
+                loc="upper left",
+                bbox_to_anchor=(1.005, 1.0),
+                frameon=False,
+                title="legend",
+                title_fontsize=8,
+            )
+        fig.tight_layout()
+
+    # Labels are placed by their measured widths, so the layout comes first; a region
+    # numbered instead of named adds a legend line, which narrows the axes: lay out again
+    # (the numbering settles within a pass or two).
+    key: list[tuple[str, str]] = []
+    unlabelled = 0
+    for _ in range(3):
+        lay_out(key, unlabelled)
+        said, new_key, drawn = _label_regions(ax, region_bars, renderer)
+        new_unlabelled = said.count("")
+        if (new_key, new_unlabelled) == (key, unlabelled):
+            break
+        for t in drawn:
+            t.remove()
+        key, unlabelled = new_key, new_unlabelled
+    else:
+        said, key, _ = _label_regions(ax, region_bars, renderer)
+        unlabelled = said.count("")
+        lay_out(key, unlabelled)
+    held = _label_long_steps(ax, long_steps, renderer)
+    legend = ax.get_legend()
     fig.savefig(os.fspath(out), dpi=110, format="png")
     return PlotInfo(
         rows=tuple(all_labels),
@@ -313,10 +412,12 @@ def plot(
         tasks_total=len(all_tasks),
         flows_drawn=len(chosen),
         flows_total=len(pairs),
-        legend=tuple(h.get_label() for h in handles),
+        legend=tuple(t.get_text() for t in legend.get_texts()) if legend is not None else (),
         title=title,
         colors={n: colors[n] for n in by_program},
         regions=tuple(r["name"] for r in regions),
         window=((lo - t0) / 1000, (hi - t0) / 1000),
         busy_share=busy_share,
+        region_labels=tuple(said),
+        long_steps=tuple(held),
     )

@@ -24,7 +24,7 @@ copy engine's two thread wake-ups would cost. A host array that maps a file
 (``np.memmap``, an ``mmap``) is copied by the engine: its page faults may wait for the
 disk. A kernel never runs on the caller's thread unless the device was opened with
 ``inline_kernels=True``; then a C kernel's repeat call does once it was measured short
-(``program._Launch``): at most 20 us in each of three calls in a row.
+(``launch._Launch``): at most 20 us in each of three calls in a row.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import ctypes
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,10 +45,11 @@ from hcqa.actors import Executor
 from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, array_address
-from hcqa.devices.cpu.crunner import RunC, trampoline, wrap64
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
+from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
-from hcqa.devices.program import Program
+from hcqa.devices.program import Program, check_return
 from hcqa.errors import InvalidCommand
 
 __all__ = ["CpuDevice"]
@@ -81,7 +82,7 @@ class CpuDevice(Device):
     """A device whose memory is host memory and whose engines are threads."""
 
     kind = "cpu"
-    native_runner = True  # graphs may fuse runs of C kernels into one native call
+    native_runner = True  # an engine calls an Exec's ready native call directly
     shares_native = True  # a lane record is the call's bytes: no memory held
 
     def __init__(self, name: str, **options: Any) -> None:
@@ -127,27 +128,48 @@ class CpuDevice(Device):
         **options: Any,
     ) -> Program:
         entry, writes, reads = options["entry"], options["writes"], options["reads"]
-        geometry = options.get("geometry", False)
+        geometry, flags = options.get("geometry", False), options.get("flags", ())
         if callable(src):
             if entry is not None:
                 raise InvalidCommand("'entry' is for C source only (got a Python callable)")
+            if flags:
+                raise InvalidCommand(
+                    f"'flags' is for C source only (got {flags!r} for a Python callable)"
+                )
             return Program(self, name, fn=src, writes=writes, reads=reads, geometry=geometry)
         if isinstance(src, str):
-            kernel = compile_c(src, entry if entry is not None else name)
+            kernel = compile_c(src, entry if entry is not None else name, flags=("-O2", *flags))
             prog = Program(self, name, kernel=kernel, writes=writes, reads=reads, geometry=geometry)
-            if isinstance(self.compute.engine, LaneEngine):  # compiled here, not at a launch
-                prog.trampoline = trampoline(kernel)
+            # What a launch would otherwise compile or load on the caller's thread: the
+            # kernel's trampoline (a native lane's call, a generic runner's) and the generic
+            # runner itself (a fused queue's first submit) -- here, in program_async's thread.
+            prog.trampoline = trampoline(kernel)
+            generic_entry()
             return prog
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
         )
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """A C kernel fuses, with variables too where the table can carry them (not a
+        symbolic launch size for a kernel that does not receive its geometry)."""
+        if exec_.program.kernel is None:
+            return False
+        return exec_.args is not None or entries(exec_) is not None
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> RunC:
+        """One native call over an argument table (``crunner.py``); at a submit, the
+        generic runner (nothing compiled: each kernel through its trampoline)."""
+        calls = [(e.program.kernel, entries(e)) for e in run]
+        names = [e.program.name for e in run]
+        return build_runner(calls, names, generic=at_submit)  # type: ignore[arg-type]
 
     def _inline(self, command: Any) -> bool:
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
         the queue is idle: ``memmove`` of 1 MiB takes ~25-35 us, less than the two thread
         wake-ups the copy engine would cost (and no longer than the event loop may be held)
         -- unless a host end maps a file, whose page faults may wait for the disk. A C
-        kernel's repeat calls once measured short (``program._Launch``) only when the
+        kernel's repeat calls once measured short (``launch._Launch``) only when the
         device was opened with ``inline_kernels=True``."""
         if type(command) is cmd.Exec:
             return command.inline and self.inline_kernels
@@ -179,9 +201,12 @@ class CpuDevice(Device):
                     break
             if prog.geometry:  # the keyword-only sizes it declares, resolved
                 sizes = {n: getattr(c, n) for n in prog.geometry}
-                prog.fn(*arrays, *vals, **sizes)
+                got = prog.fn(*arrays, *vals, **sizes)
             else:
-                prog.fn(*arrays, *vals)
+                got = prog.fn(*arrays, *vals)
+            if got is not None:  # a result returned, not written? (see check_return)
+                written = prog.access(len(arrays))[0]
+                check_return(prog.name, got, [arrays[i] for i in written])
 
     def _staged(self, end: Any) -> bool:
         return not self.host_visible and isinstance(end, cmd.HostMemoryRef)

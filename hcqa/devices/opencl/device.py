@@ -125,7 +125,7 @@ class OpenCLDevice(Device):
                 "'geometry' is for C kernels: an OpenCL kernel reads its geometry with "
                 "get_global_id / get_local_size / get_num_groups"
             )
-        kernel, params = build(self, name, src, options.get("entry"))
+        kernel, params = build(self, name, src, options.get("entry"), options.get("flags", ()))
         return ClProgram(
             self, name, kernel, params, writes=options.get("writes"), reads=options.get("reads")
         )

@@ -18,19 +18,20 @@ never reaches an executor: the queue actor awaits it on the loop and only then h
 follows (host gating).
 
 What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
-collected into a *segment* that ends at the last driver command before it (or at a marker,
-when the run has none): the native callback is registered on that command's event with a slot
-of its own (``runtime.py``). When the device's pump (a trio task of the device, see
-``device.py``) finds the slot fired, it does the segment's work in order on the loop:
-timestamps from the events' profiling counters moved to the host clock (a ``Timestamp``
+collected into a *segment* (``completion.py``) that ends at the last driver command before
+it (or at a marker, when the run has none): the native callback is registered on that
+command's event with a slot of its own (``runtime.py``). When the device's pump (a trio task
+of the device, see ``device.py``) finds the slot fired, it does the segment's work in order
+on the loop: timestamps from the events' profiling counters moved to the host clock (a ``Timestamp``
 right before a command takes its START, any other the END of the segment's last command;
 ``Signal.timestamp`` is on the host clock for every device), signal values
 (``_set_from_engine``) and timeline steps (``Timeline.complete``). The in-order queue makes
 segments complete in the order they were enqueued, so the pump takes them from the front.
 
 The host objects a command reads or fills (the numpy array of a copy, PyOpenCL's
-``NannyEvent`` of it, a file mapping) stay referenced by the segment until its completion
-is processed: dropping a ``NannyEvent`` earlier would block the interpreter in its destructor.
+``NannyEvent`` of it, a file mapping: ``copies.py``) stay referenced by the segment until
+its completion is processed: dropping a ``NannyEvent`` earlier would block the interpreter
+in its destructor.
 
 Tracing: while a :class:`~hcqa.Tracer` records, each enqueued command keeps its event, and
 the pump adds a device range per command from its profiling START and END moved to the host
@@ -47,51 +48,25 @@ pending events when no segment completed for half the hang limit (see ``device.p
 from __future__ import annotations
 
 import collections
-import ctypes
-import mmap
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer
 from hcqa.devices.opencl import runtime
-from hcqa.devices.opencl.memory import ClMemory
-from hcqa.devices.timeline import WRAP, _value
-from hcqa.errors import DeviceFault
+from hcqa.devices.opencl.completion import Completion, Segment
+from hcqa.devices.opencl.copies import DriverCopies
 from hcqa.signals import Signal
 
 __all__ = ["ClExecutor", "Segment"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
-_ADDRESS_ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 
 
-class Segment:
-    """Driver commands up to ``event`` and the work to do once it completed."""
-
-    __slots__ = ("address", "books", "event", "flows", "foreign", "keep", "traced", "what", "words")
-
-    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
-        self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
-        self.flows: Any = None  # a tracer's flow sources into this segment's first range
-        self.event = event
-        # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
-        self.books = books
-        self.keep = keep  # commands and host objects the driver may still touch
-        self.what = what
-        self.words: Any = None
-        self.address = 0
-        self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
-
-
-class ClExecutor:
+class ClExecutor(DriverCopies, Completion):
     """Enqueues runs on one in-order OpenCL queue; completion through the device's pump."""
 
     def __init__(
@@ -292,139 +267,11 @@ class ClExecutor:
         if status != 0:
             raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
 
-    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Let the callback itself complete what needs no Python, while nothing before it
-        does (a timestamp, say): this queue's own signal, and this device's timeline step
-        -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
-        completed prefix, the wrap and the wake-ups whatever order steps complete in; or,
-        without one, directly when every earlier step is done or enqueued before it on this
-        queue (the pump then does the Python timeline's bookkeeping). The waiters of those
-        wake straight from the driver's thread. Returns the books left to the pump."""
-        words = seg.words
-        own = self.device._queues[self.kind].signal
-        timeline = self.timeline
-        c_timeline = timeline.c_address
-        left: list[tuple[Any, ...]] = []
-        n = 0
-        native = True
-        for book in books:
-            if native and book[0] == "signal" and book[1] is own and n < runtime.MAX_STORES:
-                self._store(words, n, own, book[2])
-                n += 1
-                continue
-            if native and book[0] == "step" and book[1] is timeline:
-                seq = book[2]
-                if c_timeline is not None:
-                    words[runtime.TL_FN] = self._native.tl_complete
-                    words[runtime.TL_ARG] = c_timeline
-                    words[runtime.TL_SEQ] = seq
-                    native = False  # what follows waits for the pump
-                    last = len(books) > 1 and book is books[-2]  # only a step follows
-                    foreign = self._foreign_step(books[-1], words) if last else None
-                    if foreign is not None:  # a transfer's step on the other device
-                        seg.foreign = foreign
-                        words[runtime.NSTORES] = n
-                        return left
-                    continue
-                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
-                if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
-                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
-                    n += 1
-                    self._ordered = seq
-            else:
-                native = False
-            left.append(book)
-        words[runtime.NSTORES] = n
-        return left
-
-    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
-        """Hand the callback a transfer's last step, on the other device's C timeline (an
-        OpenCL device's, or a cpu device's that this copy writes to): (timeline, seq), or
-        None to leave it to the pump. The callback completes the step under that timeline's
-        mutex, and its owner takes the mutex before it closes anything the callback touches
-        (``Timeline.close``)."""
-        if book[0] != "step":
-            return None
-        tl, seq = book[1], book[2]
-        if tl.c_address is None:
-            return None
-        if not tl.take_foreign(seq):
-            return None
-        words[runtime.TL2_FN] = self._native.tl_complete
-        words[runtime.TL2_ARG] = tl.c_address
-        words[runtime.TL2_SEQ] = seq
-        return tl, seq
-
-    @staticmethod
-    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
-        base = runtime.STORES + 3 * i
-        words[base] = signal.address
-        words[base + 1] = value
-        words[base + 2] = signal.fd
-
     def probe(self) -> None:
         """A marker with a callback and nothing to do: a clock-offset sample."""
         with self._lock:
             self._close(None, [], [], "marker")
             self.queue.flush()
-
-    def _enqueue(self, c: Any, keep: list[Any]) -> Any:
-        """A copy or a load: its driver command's event (``keep`` gets what it touches)."""
-        kind = type(c)
-        if kind is _COPY:
-            return self._copy(c.dest, c.src, c.nbytes, keep)
-        return self._load(c, keep)
-
-    def _copy(self, dest: Any, src: Any, n: int, keep: list[Any]) -> Any:
-        """The driver's own entry points, not ``pyopencl.enqueue_copy`` (which dispatches on
-        its arguments' types in Python first): a host end is a non-blocking write or read."""
-        low = self._low
-        d_mem, s_mem = _device_memory(dest), _device_memory(src)
-        if d_mem is not None and s_mem is not None:
-            if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
-                if dest.offset == src.offset:
-                    return low._enqueue_marker(self.queue)  # a copy onto itself: nothing to move
-                bounce = self._cl.Buffer(self.device.context, self._cl.mem_flags.READ_WRITE, n)
-                keep.append(bounce)
-                low._enqueue_copy_buffer(self.queue, s_mem.clbuf, bounce, n, src.offset, 0, None)
-                return low._enqueue_copy_buffer(
-                    self.queue, bounce, d_mem.clbuf, n, 0, dest.offset, None
-                )
-            return low._enqueue_copy_buffer(
-                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, None
-            )
-        if d_mem is not None:
-            host = _host_array(src, n)
-            nanny = low._enqueue_write_buffer(
-                self.queue, d_mem.clbuf, host, dest.offset, None, False
-            )
-        elif s_mem is not None:
-            host = _host_array(dest, n)
-            nanny = low._enqueue_read_buffer(self.queue, s_mem.clbuf, host, src.offset, None, False)
-        else:
-            raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
-        keep.append(host)
-        keep.append(nanny)  # dropped only once completed (its destructor would block)
-        return nanny
-
-    def _load(self, c: Any, keep: list[Any]) -> Any:
-        mem = _device_memory(c.dest)
-        assert mem is not None
-        start = c.offset - c.offset % _ADDRESS_ALIGN
-        skip = c.offset - start
-        fd = os.open(c.path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if os.fstat(fd).st_size < c.offset + c.nbytes:
-                raise EOFError(f"{c.path!r} holds fewer than {c.offset + c.nbytes} bytes now")
-            mapping = mmap.mmap(fd, skip + c.nbytes, prot=mmap.PROT_READ, offset=start)
-        finally:
-            os.close(fd)
-        host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
-        nanny = self._low._enqueue_write_buffer(
-            self.queue, mem.clbuf, host, c.dest.offset, None, False
-        )
-        keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
-        return nanny
 
     def _skip(self, commands: list[Any], error: BaseException | None) -> None:
         """Not running ``commands``: break their signals; complete other devices' steps."""
@@ -434,85 +281,6 @@ class ClExecutor:
                 c.signal._break(error)
             elif kind is _STEP and c.timeline is not self.timeline:
                 c.timeline.complete(c.seq)
-
-    # -- completion (the pump, on the loop) ---------------------------------------------------
-
-    def complete(self, seg: Segment) -> None:
-        """Do a fired segment's work, in order."""
-        status = ctypes.c_int64(seg.words[runtime.STATUS]).value
-        if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
-            self.fail(seg, status)
-            return
-        if seg.traced is not None:
-            self._trace(seg)
-        offset: int | None = None
-        for book in seg.books:
-            op = book[0]
-            if op == "signal":
-                book[1]._set_from_engine(book[2])
-            elif op == "step":
-                book[1].complete(book[2])
-            else:  # Signal.timestamp is on the host clock: one offset for the whole segment
-                if offset is None:
-                    offset = self.device.clock_offset_ns()
-                ev = book[2] if book[2] is not None else seg.event
-                ns = ev.profile.start if book[3] else ev.profile.end
-                book[1]._stamp_from_engine(ns + offset)
-        self.completed += 1
-
-    def _trace(self, seg: Segment) -> None:
-        """Device ranges of a traced segment, from its events' profiling counters moved to
-        the host clock, and the producers of the signals it sets (for flow arrows)."""
-        hook = _engine.trace_hook
-        if hook is None:
-            return
-        track = hook._engines.get(self) or hook._track(self)
-        offset = self.device.clock_offset_ns()
-        if seg.flows:
-            track.pending = seg.flows
-        for command, event in seg.traced or ():
-            profile = event.profile
-            hook._range(track, command, profile.start + offset, profile.end + offset, None)
-        for book in seg.books:
-            if book[0] == "signal" and track.last is not None:
-                hook._produced_by(book[1], book[2], track.last)
-
-    def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
-        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
-        (``called_back``: False when its callback never ran and never will)."""
-        fault = DeviceFault(
-            f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
-            f"driver reported execution status {status} for it",
-            device=self.device.name,
-            queue=self.kind,
-        )
-        self.device._fault(fault)
-        for book in seg.books:
-            if book[0] == "signal":
-                book[1]._break(self.device._error)
-            elif book[0] == "step" and book[1] is not self.timeline:
-                book[1].complete(book[2])
-        if seg.foreign is not None and not called_back:  # the other device may close
-            tl, seq = seg.foreign
-            tl._native.tl_complete(tl.c_address, seq, 1)
-
-
-def _device_memory(end: Any) -> ClMemory | None:
-    if isinstance(end, Buffer) and isinstance(end._mem, ClMemory):
-        return end._mem
-    return None
-
-
-def _host_array(end: Any, n: int) -> Any:
-    """The host memory of a copy's other end, ``n`` bytes: a host array (copyin, copyout),
-    or a buffer of a device whose memory is host memory (a cpu device)."""
-    if isinstance(end, cmd.HostMemoryRef):
-        arr = end.keep[1]  # the contiguous array host_ref checked
-        if arr.nbytes == n:
-            return arr
-    elif isinstance(end, Buffer):
-        return end._mem.view()[end.offset : end.offset + n]
-    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(end.va_addr))
 
 
 def _describe(c: Any) -> str:

@@ -28,14 +28,18 @@ arguments sets them once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 import numpy as np
 
 from hcqa import commands as cmd
+from hcqa.devices.opencl.runtime import cl
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
+from hcqa.variables import IntLike
 
 if TYPE_CHECKING:
     from hcqa.devices.base import Device
@@ -58,10 +62,11 @@ def _no_host_call(*args: Any, global_size: Any = None, local_size: Any = None) -
     raise InvalidCommand("an OpenCL kernel runs on its device only, never on the host")
 
 
-def build(device: ClHost, name: str, src: Any, entry: str | None) -> tuple[Any, list[Any]]:
-    """Build ``src`` for the device; (kernel, [(param name, numpy type or None)])."""
-    from hcqa.devices.opencl.runtime import cl
-
+def build(
+    device: ClHost, name: str, src: Any, entry: str | None, flags: Sequence[str] = ()
+) -> tuple[Any, list[Any]]:
+    """Build ``src`` for the device with build options ``flags`` (after hcqa's own
+    ``-cl-kernel-arg-info``); (kernel, [(param name, numpy type or None)])."""
     pyopencl = cl()
     if callable(src):
         raise InvalidCommand(
@@ -73,7 +78,7 @@ def build(device: ClHost, name: str, src: Any, entry: str | None) -> tuple[Any, 
     entry = entry if entry is not None else name
     prg = pyopencl.Program(device.context, src)
     try:
-        prg.build(options=["-cl-kernel-arg-info"], devices=[device.cl_device])
+        prg.build(options=["-cl-kernel-arg-info", *flags], devices=[device.cl_device])
     except pyopencl.Error as exc:
         try:
             log = prg.get_build_info(device.cl_device, pyopencl.program_build_info.LOG).strip()
@@ -146,6 +151,23 @@ class ClProgram(Program):
         self.reads = None if reads is None else self._positions("reads", reads)
         # the arguments the kernel holds now (set by the last launch record enqueued)
         self.cl_args: tuple[Any, ...] = ()
+        self._limits = _Limits.of(kernel, cast("ClHost", device).cl_device)
+
+    def check_geometry(self, global_size: Sequence[IntLike], local_size: Sequence[IntLike]) -> None:
+        """Refuse (``InvalidCommand``) a concrete geometry the device can't launch, before
+        anything is queued: a driver fails it as a command (a sticky fault) or, for PoCL
+        and an NDRange of 2**32 work-items or more, kills the process."""
+        super().check_geometry(global_size, local_size)
+        g, n = tuple(global_size), tuple(local_size)
+        if all(type(v) is int for v in (*g, *n)):
+            self._limits.check(self.name, cast("tuple[int, ...]", g), cast("tuple[int, ...]", n))
+
+    def check_buffers(self, bufs: Sequence[Buffer]) -> None:
+        """Refuse a view the kernel can't take: one that does not start at a multiple of
+        the device's base address alignment (``CL_DEVICE_MEM_BASE_ADDR_ALIGN``)."""
+        for buf in bufs:
+            if buf.offset:
+                buf._mem.arg(buf.offset, buf.nbytes)  # type: ignore[attr-defined]  # misaligned?
 
     def validate(
         self,
@@ -161,10 +183,7 @@ class ClProgram(Program):
                 f"(got {len(exec_.buffers)} buffers and {len(exec_.vals)} vals)"
             )
         self.check_vals(exec_.vals)
-        for b in exec_.buffers:
-            buf = cast("Buffer", b)
-            if buf.offset:
-                buf._mem.arg(buf.offset, buf.nbytes)  # type: ignore[attr-defined]  # misaligned?
+        self.check_buffers(cast("tuple[Buffer, ...]", exec_.buffers))
         return exec_
 
     def record(self, c: cmd.Exec) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
@@ -187,3 +206,63 @@ class ClProgram(Program):
             if i >= len(now) or (now[i] is not a and now[i] != a):
                 kernel.set_arg(i, a if i < base else self._types[i - base](a))
         self.cl_args = args
+
+
+@attrs.frozen
+class _Limits:
+    """What a device takes for one kernel's launches (read once, when it is built)."""
+
+    group: int  # work-items per work-group: CL_KERNEL_WORK_GROUP_SIZE for this device
+    items: tuple[int, ...]  # per dimension: CL_DEVICE_MAX_WORK_ITEM_SIZES
+    size_max: int  # the largest size_t: an NDRange dimension, and all of it
+    total: int  # the most work-items in all (PoCL: below 2**32)
+    device: str
+
+    @classmethod
+    def of(cls, kernel: Any, cl_device: Any) -> _Limits:
+        pyopencl = cl()
+        group = int(
+            kernel.get_work_group_info(pyopencl.kernel_work_group_info.WORK_GROUP_SIZE, cl_device)
+        )
+        size_max = 2 ** int(cl_device.address_bits) - 1
+        pocl = "Portable Computing" in cl_device.platform.name
+        return cls(
+            group=min(group, int(cl_device.max_work_group_size)),
+            items=tuple(int(i) for i in cl_device.max_work_item_sizes),
+            size_max=size_max,
+            total=_POCL_TOTAL if pocl else size_max,
+            device=f"{cl_device.name.strip()} ({cl_device.platform.name.strip()})",
+        )
+
+    def check(self, name: str, groups: tuple[int, ...], local: tuple[int, ...]) -> None:
+        for d, (n, most) in enumerate(zip(local, self.items, strict=False)):
+            if n > most:
+                raise InvalidCommand(
+                    f"{name!r}: 'local_size' dimension {d} must be <= {most} work-items "
+                    f"(CL_DEVICE_MAX_WORK_ITEM_SIZES of {self.device}) (got {local})"
+                )
+        per_group = math.prod(local)
+        if per_group > self.group:
+            raise InvalidCommand(
+                f"{name!r}: 'local_size' must hold <= {self.group} work-items in all "
+                f"(the work-group size this kernel takes on {self.device}) (got {local}: "
+                f"{per_group})"
+            )
+        sizes = tuple(g * n for g, n in zip(groups, local, strict=True))
+        for d, size in enumerate(sizes):
+            if size > self.size_max:
+                raise InvalidCommand(
+                    f"{name!r}: 'global_size' * 'local_size' must be <= {self.size_max} "
+                    f"work-items (size_t) in dimension {d} (got {groups} * {local})"
+                )
+        total = math.prod(sizes)
+        if total > self.total:
+            raise InvalidCommand(
+                f"{name!r}: the NDRange ('global_size' * 'local_size') must hold <= "
+                f"{self.total} work-items in all on {self.device} (got {groups} * {local} "
+                f"= {total})"
+            )
+
+
+# PoCL's pthread driver kills the process (SIGILL) for an NDRange of 2**32 work-items or more.
+_POCL_TOTAL = 2**32 - 1

@@ -1,50 +1,18 @@
-"""Fault injection and leak checks for tests of code built on hcqa.
+"""Fault injection: kernels that fail or hang, copies and loads that fail, engines that die.
 
-Import it explicitly (``import hcqa.testing``); nothing here is re-exported by ``hcqa``.
-Every helper works on an open device and goes through the same paths real faults take, so
-your code sees exactly what it would see in production:
-
-========================================  ==========================================================
-helper                                    what happens
-========================================  ==========================================================
-``failing_kernel(dev, exc)``              a program whose runs raise ``exc`` in the engine thread:
-                                          awaiting its fence raises :class:`~hcqa.DeviceFault`
-                                          (``__cause__`` is ``exc``); the device stays faulted
-``hanging_kernel(dev)``                   ``(program, gate)``: runs block until ``gate.release()``;
-                                          awaiting them raises :class:`~hcqa.SignalTimeout` after
-                                          one to two hang limits and marks the device hung
-``fail_next_copy(dev, exc)``              the next copy on the device's copy queue (``copyin``,
-                                          ``copyout``, ``Queue.copy``, a transfer *into* the
-                                          device) raises ``exc``: a ``DeviceFault`` on ``"copy"``
-``fail_next_load(dev, exc)``              the same for ``Buffer.load``
-``kill_engine(dev, "compute")``           the queue's engine thread dies (an exception escapes its
-                                          loop, outside any handler): the device faults with
-                                          ``engine thread ... died``
-``Resources.now()``                       open fds, threads and RSS of this process, for leak checks
-``parked_waiters(dev_or_signal, ...)``    tasks and threads parked on the signals of devices /
-                                          signals: 0 once nobody waits
-========================================  ==========================================================
-
-A device that faulted or hung does not recover: leave its ``open_device`` block and open it again
-(see ``docs/reliability.md``). A held :class:`Gate` keeps its engine thread busy, so release it (or
-use it as a context manager) before the test ends; a gate that is never released lets its runs go
-after ``max_hold`` seconds, failing them, so a forgotten gate can't hold a thread forever.
-
-Example::
-
-    import hcqa, hcqa.testing as ht
-
-    async def test_my_server_survives_a_bad_kernel():
-        async with hcqa.open_device("cpu:0", hang_limit=1.0) as dev:
-            buf = dev.alloc(64)
-            with pytest.raises(hcqa.DeviceFault) as info:
-                await ht.failing_kernel(dev, ValueError("boom"))(buf)
-            assert isinstance(info.value.__cause__, ValueError)
+Theory of operation
+-------------------
+Every helper works on an open device and goes through the paths real faults take: a kernel
+raises in the engine thread (``failing_kernel``) or blocks it until a :class:`Gate` opens
+(``hanging_kernel``); an :class:`Injection` swaps the handler of the next copy or load on the
+device's copy engine for one that raises, and puts the real handler back once it fired
+(``fail_next_copy``, ``fail_next_load``); ``kill_engine`` queues an object whose iteration
+raises, so the exception escapes the engine's loop outside any command's handler. The device
+then faults, hangs or dies exactly as in production (``hcqa.testing`` tells the story).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -55,8 +23,8 @@ import attrs
 from hcqa import commands as cmd
 from hcqa.actors.engine import Engine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import check_int
 from hcqa.devices.program import Program
+from hcqa.devices.sizes import check_int
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Fence, Signal
 
@@ -65,13 +33,11 @@ __all__ = [
     "Gate",
     "InjectedFault",
     "Injection",
-    "Resources",
     "fail_next_copy",
     "fail_next_load",
     "failing_kernel",
     "hanging_kernel",
     "kill_engine",
-    "parked_waiters",
 ]
 
 QueueKind = Literal["compute", "copy"]
@@ -367,60 +333,3 @@ def kill_engine(device: Device, queue: QueueKind = "compute", exc: ExcSpec = Non
         error = EngineKilled(f"engine {engine.name!r} killed by hcqa.testing.kill_engine")
     engine.put(_Poison(error))
     return Fence(engine.exited, 1, context=f"{engine.name} engine exit")
-
-
-# -- leak checks -------------------------------------------------------------------------------
-
-
-def _fd_count() -> int:
-    return len(os.listdir("/proc/self/fd")) - 1  # the listing's own fd
-
-
-def _rss_kib() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-@attrs.frozen
-class Resources:
-    """Open fds, live threads and resident memory (KiB) of this process (Linux ``/proc``)."""
-
-    fds: int
-    threads: int
-    rss_kib: int
-
-    @classmethod
-    def now(cls) -> Resources:
-        return cls(fds=_fd_count(), threads=threading.active_count(), rss_kib=_rss_kib())
-
-    def leaked_since(self, before: Resources) -> dict[str, int]:
-        """The fds and threads gained since ``before`` (empty when none); RSS is not compared."""
-        out = {}
-        if self.fds > before.fds:
-            out["fds"] = self.fds - before.fds
-        if self.threads > before.threads:
-            out["threads"] = self.threads - before.threads
-        return out
-
-
-def parked_waiters(*objects: Device | Signal) -> int:
-    """Waiters (tasks and threads) parked on the given signals and on every signal of the given
-    devices (timeline, shadow, queue signals)."""
-    total = 0
-    for obj in objects:
-        if isinstance(obj, Signal):
-            signals: tuple[Signal, ...] = (obj,)
-        elif isinstance(obj, Device):
-            signals = (*obj._timeline.signals, obj.compute.signal, obj.copy.signal)
-        else:
-            raise InvalidCommand(
-                f"parked_waiters needs devices or signals (got {type(obj).__name__})"
-            )
-        total += sum(s.statistics().waiters for s in signals)
-    return total

@@ -1,0 +1,187 @@
+"""How a segment of an OpenCL queue completes: in the driver's callback, or on the pump.
+
+Theory of operation
+-------------------
+A :class:`Segment` is the driver commands of a run up to one event and the bookkeeping to do
+once that event completed (``executor.py`` closes it). Where nothing Python must do comes
+first, the native callback does it itself (``_native_stores``): this queue's own signal,
+this device's timeline step through its C timeline, and a transfer's last step on the other
+device's C timeline (``_foreign_step``) -- their waiters wake straight from the driver's
+thread. What is left (timestamps from the profiling counters, other signals, the Python
+timeline's bookkeeping, trace ranges) the device's pump does on the loop (``complete``);
+a segment the driver failed breaks its signals instead (``fail``).
+
+This is a mixin of :class:`~hcqa.devices.opencl.executor.ClExecutor`, which sets the
+attributes declared below.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from hcqa.actors import engine as _engine
+from hcqa.devices.opencl import runtime
+from hcqa.devices.timeline import WRAP, _value
+from hcqa.errors import DeviceFault
+from hcqa.signals import Signal
+
+__all__ = ["Completion", "Segment"]
+
+
+class Segment:
+    """Driver commands up to ``event`` and the work to do once it completed."""
+
+    __slots__ = ("address", "books", "event", "flows", "foreign", "keep", "traced", "what", "words")
+
+    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
+        self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
+        self.flows: Any = None  # a tracer's flow sources into this segment's first range
+        self.event = event
+        # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
+        self.books = books
+        self.keep = keep  # commands and host objects the driver may still touch
+        self.what = what
+        self.words: Any = None
+        self.address = 0
+        self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
+
+
+class Completion:
+    """A queue's segments completed: natively, or by the pump (see the module doc)."""
+
+    device: runtime.ClHost
+    kind: str
+    timeline: Any
+    completed: int
+    _native: Any
+    _ordered: int
+
+    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Let the callback itself complete what needs no Python, while nothing before it
+        does (a timestamp, say): this queue's own signal, and this device's timeline step
+        -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
+        completed prefix, the wrap and the wake-ups whatever order steps complete in; or,
+        without one, directly when every earlier step is done or enqueued before it on this
+        queue (the pump then does the Python timeline's bookkeeping). The waiters of those
+        wake straight from the driver's thread. Returns the books left to the pump."""
+        words = seg.words
+        own = self.device._queues[self.kind].signal
+        timeline = self.timeline
+        c_timeline = timeline.c_address
+        left: list[tuple[Any, ...]] = []
+        n = 0
+        native = True
+        for book in books:
+            if native and book[0] == "signal" and book[1] is own and n < runtime.MAX_STORES:
+                self._store(words, n, own, book[2])
+                n += 1
+                continue
+            if native and book[0] == "step" and book[1] is timeline:
+                seq = book[2]
+                if c_timeline is not None:
+                    words[runtime.TL_FN] = self._native.tl_complete
+                    words[runtime.TL_ARG] = c_timeline
+                    words[runtime.TL_SEQ] = seq
+                    native = False  # what follows waits for the pump
+                    last = len(books) > 1 and book is books[-2]  # only a step follows
+                    foreign = self._foreign_step(books[-1], words) if last else None
+                    if foreign is not None:  # a transfer's step on the other device
+                        seg.foreign = foreign
+                        words[runtime.NSTORES] = n
+                        return left
+                    continue
+                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
+                if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
+                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
+                    n += 1
+                    self._ordered = seq
+            else:
+                native = False
+            left.append(book)
+        words[runtime.NSTORES] = n
+        return left
+
+    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
+        """Hand the callback a transfer's last step, on the other device's C timeline (an
+        OpenCL device's, or a cpu device's that this copy writes to): (timeline, seq), or
+        None to leave it to the pump. The callback completes the step under that timeline's
+        mutex, and its owner takes the mutex before it closes anything the callback touches
+        (``Timeline.close``)."""
+        if book[0] != "step":
+            return None
+        tl, seq = book[1], book[2]
+        if tl.c_address is None:
+            return None
+        if not tl.take_foreign(seq):
+            return None
+        words[runtime.TL2_FN] = self._native.tl_complete
+        words[runtime.TL2_ARG] = tl.c_address
+        words[runtime.TL2_SEQ] = seq
+        return tl, seq
+
+    @staticmethod
+    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
+        base = runtime.STORES + 3 * i
+        words[base] = signal.address
+        words[base + 1] = value
+        words[base + 2] = signal.fd
+
+    def complete(self, seg: Segment) -> None:
+        """Do a fired segment's work, in order."""
+        status = ctypes.c_int64(seg.words[runtime.STATUS]).value
+        if status < 0:  # drivers that report failures through the callback (PoCL >= 7)
+            self.fail(seg, status)
+            return
+        if seg.traced is not None:
+            self._trace(seg)
+        offset: int | None = None
+        for book in seg.books:
+            op = book[0]
+            if op == "signal":
+                book[1]._set_from_engine(book[2])
+            elif op == "step":
+                book[1].complete(book[2])
+            else:  # Signal.timestamp is on the host clock: one offset for the whole segment
+                if offset is None:
+                    offset = self.device.clock_offset_ns()
+                ev = book[2] if book[2] is not None else seg.event
+                ns = ev.profile.start if book[3] else ev.profile.end
+                book[1]._stamp_from_engine(ns + offset)
+        self.completed += 1
+
+    def _trace(self, seg: Segment) -> None:
+        """Device ranges of a traced segment, from its events' profiling counters moved to
+        the host clock, and the producers of the signals it sets (for flow arrows)."""
+        hook = _engine.trace_hook
+        if hook is None:
+            return
+        track = hook._engines.get(self) or hook._track(self)
+        offset = self.device.clock_offset_ns()
+        if seg.flows:
+            track.pending = seg.flows
+        for command, event in seg.traced or ():
+            profile = event.profile
+            hook._range(track, command, profile.start + offset, profile.end + offset, None)
+        for book in seg.books:
+            if book[0] == "signal" and track.last is not None:
+                hook._produced_by(book[1], book[2], track.last)
+
+    def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
+        """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
+        (``called_back``: False when its callback never ran and never will)."""
+        fault = DeviceFault(
+            f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
+            f"driver reported execution status {status} for it",
+            device=self.device.name,
+            queue=self.kind,
+        )
+        self.device._fault(fault)
+        for book in seg.books:
+            if book[0] == "signal":
+                book[1]._break(self.device._error)
+            elif book[0] == "step" and book[1] is not self.timeline:
+                book[1].complete(book[2])
+        if seg.foreign is not None and not called_back:  # the other device may close
+            tl, seq = seg.foreign
+            tl._native.tl_complete(tl.c_address, seq, 1)
