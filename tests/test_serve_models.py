@@ -344,3 +344,92 @@ async def test_a_models_check_refuses_bad_input_before_batching() -> None:
         r = await c.post("/v2/models/embed/infer", json=_ids(2))
         assert r.json()["outputs"][0]["data"] == [3.0, 1.5, 3.0, 4.5]
     assert len(emb.builds) == 1
+
+
+_DRAIN_CHILD = """
+import sys
+from functools import partial
+
+import trio
+
+from hcqa.serve import Model, serve
+
+release = trio.Event()
+
+
+async def double(x):
+    await release.wait()
+    return x * 2
+
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        async def wait_for_go():
+            await trio.to_thread.run_sync(sys.stdin.readline)
+            release.set()
+
+        nursery.start_soon(wait_for_go)
+        model = Model(name="m", pipeline=double, inputs=[("x", (None, 2), "float32")],
+                      outputs=[("y", (None, 2), "float32")], max_batch=4)
+        port = await nursery.start(partial(serve, model, port=0, grace_period=30))
+        print(port, flush=True)
+        # serve() returned: the server drained
+    print("drained", flush=True)
+
+
+trio.run(main)
+"""
+
+
+async def test_serve_drains_on_sigterm_by_default() -> None:
+    """serve() as the docs show it -- no shutdown trigger -- on SIGTERM stops accepting and
+    answers the 16 requests in flight, then returns."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    with subprocess.Popen(
+        [sys.executable, "-c", _DRAIN_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+        try:
+            with trio.fail_after(60):
+                port = int(await trio.to_thread.run_sync(child.stdout.readline))
+            answers: list[httpx.Response] = []
+            limits = httpx.Limits(max_connections=32)
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=60, limits=limits
+            ) as c:
+
+                async def ask(k: int) -> None:
+                    r = await c.post("/infer", json={"inputs": [k, k]})
+                    answers.append(r)
+
+                async with trio.open_nursery() as nursery:
+                    for k in range(16):
+                        nursery.start_soon(ask, k)
+                    with trio.fail_after(30):
+                        while (await c.get("/stats")).json()["requests_pending"] < 16:
+                            await trio.sleep(0.01)
+                    child.send_signal(signal.SIGTERM)
+                    with trio.fail_after(30):  # the drain began: serve() logged it
+                        line = await trio.to_thread.run_sync(child.stderr.readline)
+                    assert "SIGTERM: draining" in line
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+            with trio.fail_after(30):
+                rest = await trio.to_thread.run_sync(child.stdout.read)
+            assert rest == "drained\n"
+            assert child.wait(30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert sorted(r.json()["outputs"][0] for r in answers) == [2.0 * k for k in range(16)]
+    assert all(r.status_code == 200 and r.headers["connection"] == "close" for r in answers)

@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-Each app made by :func:`hcqa.serve.make_app` owns one :class:`State`: the pipeline and
-batcher it serves, the admission counter behind ``max_pending`` (:meth:`State.admit`, taken
-once a request's body has arrived), the body's size and time limits, the drain flag, and a
-*private* Prometheus ``CollectorRegistry`` -- two apps in one process never share a
-counter. Two kinds of metric live there:
+Each app made by :func:`hcqa.serve.make_app` owns one :class:`State`: the models it
+serves (:class:`~hcqa.serve.hosted.Hosted`), the admission counter behind ``max_pending``
+(:meth:`State.admit`, taken once a request's body has arrived), the body's size and time
+limits, the drain flag, and a *private* Prometheus ``CollectorRegistry`` -- two apps in
+one process never share a counter. Two kinds of metric live there:
 
 - **Counted as requests pass**: :class:`Measured` is an ASGI middleware around the whole
   app that counts every HTTP request by endpoint and status and observes its latency
@@ -15,10 +15,11 @@ counter. Two kinds of metric live there:
   ``hcqa_client_disconnects_total``: nobody saw an answer, and it is no server error.
   The middleware also counts the requests inside the app, so a drain knows when the last
   one is answered, and while draining it adds ``Connection: close`` to every response.
-- **Read when scraped**: :class:`ScrapeTime` is a custom collector that reads the
-  batcher's, the pipeline's and the devices' ``statistics()`` only when ``/metrics`` is
-  scraped, so a busy server pays nothing between scrapes for queue depths, batches in
-  flight, the batch-size histogram and each device's busy and usable state.
+- **Read when scraped**: :class:`ScrapeTime` is a custom collector that reads every
+  model's batcher and pipeline and the devices' ``statistics()`` only when ``/metrics`` is
+  scraped, so a busy server pays nothing between scrapes for readiness, queue depths,
+  batches in flight and the batch-size histogram (each labelled by ``model``) and each
+  device's busy and usable state (by ``device``).
 """
 
 from __future__ import annotations
@@ -259,7 +260,13 @@ class ScrapeTime(Collector):
         yield from (busy, queued, healthy)
 
 
-_V2_FIXED = ("/v2", "/v2/health/live", "/v2/health/ready", "/v2/repository/index")
+_V2_FIXED = (
+    "/v2",
+    "/v2/health/live",
+    "/v2/health/ready",
+    "/v2/repository/index",
+    "/v2/models/stats",
+)
 
 
 def endpoint_of(path: str) -> str:

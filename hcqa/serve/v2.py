@@ -2,32 +2,38 @@
 
 Theory of operation
 -------------------
-A served app holds one or more :class:`Served` models, each a pipeline (its largest batch
-size), its own batcher and its own :class:`~hcqa.serve.metrics.State` (admission counter,
-body limit, devices). :class:`V2` adds the protocol's routes to the app:
+A served app holds one or more models (:class:`~hcqa.serve.hosted.Hosted`: each with its
+own tensors, batcher and state of readiness) sharing the app's
+:class:`~hcqa.serve.metrics.State` (admission counter, body limit). :class:`V2` adds the
+protocol's routes to the app:
 
 - ``GET /v2/health/live`` (200 while the server runs) and ``/v2/health/ready`` (200 when
-  every model is ready, else 400 with the reason);
+  every model is built and its devices usable, else 400 with the reason);
 - ``GET /v2`` (server metadata: name, version, extensions);
-- ``GET /v2/models/{m}`` (model metadata: versions, platform, the input and output
-  tensors with ``-1`` for the batch dimension) and ``/v2/models/{m}/ready``;
+- ``GET /v2/models/{m}`` (model metadata: versions, platform, the model's own input and
+  output tensors with ``-1`` for the batch dimension) and ``/v2/models/{m}/ready``;
+- ``GET /v2/models/{m}/config`` (Triton's model configuration: ``max_batch_size``, the
+  tensors' ``dims`` without the batch dimension, ``dynamic_batching``, ``instance_group``)
+  and ``/v2/models/{m}/stats`` (Triton's statistics extension; ``/v2/models/stats`` for
+  every model);
 - ``POST /v2/models/{m}/infer`` (JSON tensors, or binary tensor data after the JSON:
   :mod:`hcqa.serve.tensors`);
 - ``POST /v2/repository/index`` (every model with its state).
 
 Each also answers under ``/v2/models/{m}/versions/{v}/...``. An infer request reads its
 body (bounded), parses and checks it (off the loop when large), is admitted (503 past
-``max_pending``), and runs as ``/infer`` runs: one row (``shape [1, ...]``) through the
-model's batcher, more rows directly in chunks of the pipeline's batch. The request's
-``parameters.timeout`` (microseconds, as Triton) bounds the run with a cancel scope: on
-expiry the request's work is cancelled -- a row still waiting in the batcher leaves it
-and never runs; one already dispatched is computed with its batch and dropped -- and the
-answer is 504 with the protocol's error body. A client that disconnects cancels its
-request the same way.
+``max_pending``), and runs through :meth:`Hosted.run`: one row (``shape [1, ...]``) through
+the model's batcher, more rows directly in chunks of the model's largest batch. The
+request's ``parameters.timeout`` (microseconds, as Triton) bounds the run with a cancel
+scope: on expiry the request's work is cancelled -- a row still waiting in the batcher
+leaves it and never runs; one already dispatched is computed with its batch and dropped --
+and the answer is 504 with the protocol's error body. A client that disconnects cancels
+its request the same way (:func:`cancel_on_disconnect`, which ``/infer`` uses too).
 
 Errors follow the protocol: a JSON object ``{"error": "..."}``; 400 for a request that
 can't be used (what was expected, what came), 404 for an unknown model or version, 503
-when admission or the devices refuse, 500 for a device fault.
+when admission refuses or the model is not ready, 500 for a device fault or a model's own
+error.
 """
 
 from __future__ import annotations
