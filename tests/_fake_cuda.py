@@ -60,6 +60,7 @@ def _wide(total: int, y: int, v: int, u: int) -> None:
 
 def _spin(total: int, x: int, n: int) -> None:
     time.sleep(n / 5e8)  # 20_000_000 iterations: 40 ms
+    _arr(x, ctypes.c_float, 1)[0] = 1 + (_arr(x, ctypes.c_float, 1)[0] - 1) * 0.9999999**n
 
 
 def _bad(total: int, y: int, at: int) -> None:
@@ -235,6 +236,16 @@ class FakeDriver:
             ev.done = mark
 
         stream.put(record, "event")
+        return (SUCCESS,)
+
+    def cuStreamWaitEvent(self, stream: Stream, ev: Event, flags: int) -> tuple[int]:
+        mark = ev.recorded  # the event's state now (later records don't change the wait)
+
+        def wait() -> None:
+            while ev.done < mark:
+                time.sleep(0.00005)
+
+        stream.put(wait, "wait")
         return (SUCCESS,)
 
     def cuEventQuery(self, ev: Event) -> tuple[int]:

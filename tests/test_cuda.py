@@ -625,3 +625,57 @@ async def test_a_kernel_fault_without_a_host_function_is_found_by_the_hang_check
         assert "program 'bad' failed on the compute queue" in str(info.value)
         with pytest.raises(hcqa.DeviceFault):
             y.copyin(np.zeros(4, np.int32))
+
+
+def _opencl() -> str | None:
+    from _kinds import opencl_missing
+
+    return opencl_missing()
+
+
+@pytest.mark.skipif(_opencl() is not None, reason=f"no OpenCL device: {_opencl()}")
+@gpu
+async def test_transfers_between_cuda_and_opencl_go_through_host_memory() -> None:
+    n = 1 << 12
+    a = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    async with hcqa.open_devices("cuda:0", "opencl:0") as (g, o):
+        x = g.alloc(shape=(n,), dtype="float32")
+        y = o.alloc(shape=(n,), dtype="float32")
+        z = g.alloc(shape=(n,), dtype="float32")
+        await x.copyin(a)
+        gate = hcqa.Signal()
+        saxpy = g.program("saxpy", SOURCE)
+        geo = {"global_size": (n // 64, 1, 1), "local_size": (64, 1, 1)}
+        held = g.compute_queue().wait(gate, 1).exec(saxpy, (x, x), vals=(n, 1), **geo).submit()
+        fence = hcqa.transfer(y, x)  # after the saxpy that writes x (a hazard): 2 * a
+        await trio.sleep(0.02)
+        assert not fence.reached
+        gate.value = 1
+        await held
+        await fence
+        await hcqa.transfer(z, y)
+        np.testing.assert_array_equal(await _read(y), 2 * a)
+        np.testing.assert_array_equal(await _read(z), 2 * a)
+        with pytest.raises(hcqa.InvalidCommand, match="goes through host memory"):
+            with hcqa.capture():
+                hcqa.transfer(y, x)
+
+
+@gpu
+async def test_a_hazard_between_its_own_streams_is_waited_for_on_the_gpu() -> None:
+    """A copy that reads what a long kernel writes: the copy queue's Wait for the compute
+    queue is a cuStreamWaitEvent (the actor does not park on the host), and the copy still
+    sees the kernel's result."""
+    async with hcqa.open_device("cuda:0") as g:
+        x = g.alloc(shape=(1,), dtype="float32")
+        z = g.alloc(shape=(1,), dtype="float32")
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        before = g.copy.engine.device_waits
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        fence = g.copy_queue().copy(z, x, 4).submit()  # reads x: waits for the kernel
+        await fence
+        assert g.copy.engine.device_waits == before + 1
+        got, final = await _read(z), await _read(x)
+        assert got[0] == final[0] and final[0] != 2.0, (got, final)

@@ -138,8 +138,17 @@ class Device(Faults, HostCopies, Lifetime):
         self.hang_limit = hang_limit
         self.host_visible = host_visible
         self.inline_kernels = inline_kernels  # opt-in: short repeat kernel calls run inline
+        try:
+            self._build(memory, timeline_start, queue_depth)
+        except BaseException:  # (no fd left, say): nothing it made waits for the GC
+            self._abandon_build()
+            raise
+
+    def _build(self, memory: int, timeline_start: int, queue_depth: int) -> None:
         self.allocator = self._make_allocator(memory)
-        self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
+        self._timeline = Timeline(
+            self.name, hang_limit=self.hang_limit, owner=self, start=timeline_start
+        )
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._closed = False
@@ -147,11 +156,32 @@ class Device(Faults, HostCopies, Lifetime):
         self._hung = False
         self._still_read = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
-        self.compute = QueueActor(self, "compute", self._executor("compute"), capacity=queue_depth)
-        self.copy = QueueActor(self, "copy", self._executor("copy"), capacity=queue_depth)
+        self._made: list[Any] = []  # executors, then signals: closed if the rest fails
+        for kind in ("compute", "copy"):
+            executor = self._executor(kind)
+            self._made.append(executor)
+            actor = QueueActor(self, kind, executor, capacity=queue_depth)
+            self._made.append(actor.signal)
+            setattr(self, kind, actor)
+        del self._made
         self._queues = {"compute": self.compute, "copy": self.copy}
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
+
+    def _abandon_build(self) -> None:
+        """Close what a construction that failed part-way made: executors (never
+        started), queue signals, the timeline, the memory."""
+        made = vars(self)
+        for thing in made.get("_made", ()):
+            if isinstance(thing, Signal):
+                thing.close()
+            else:
+                thing.join(0)
+                thing.exited.close()
+        if "_timeline" in made:
+            self._timeline.close()
+        if "allocator" in made:
+            self.allocator.close()
 
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 

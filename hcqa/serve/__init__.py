@@ -53,8 +53,8 @@ histograms and the scrape-time collector), :mod:`hcqa.serve.server` (choosing th
 draining, the demo MLP), :mod:`hcqa.serve.http` (the HTTP/1.1 server; request heads in
 :mod:`hcqa.serve.http_head`, a request's ``receive`` and ``send`` in
 :mod:`hcqa.serve.http_exchange`), :mod:`hcqa.serve.v2` and :mod:`hcqa.serve.tensors` (the Open
-Inference Protocol). ``import hcqa.serve`` needs starlette and prometheus-client; hypercorn is
-imported only by ``serve(http="hypercorn")``.
+Inference Protocol). ``import hcqa.serve`` needs starlette, prometheus-client and httptools;
+hypercorn is imported only by ``serve(http="hypercorn")``.
 """
 
 from __future__ import annotations
@@ -62,11 +62,12 @@ from __future__ import annotations
 from hcqa.errors import install_hint
 
 try:
+    import httptools  # noqa: F401
     import prometheus_client  # noqa: F401
     import starlette  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
-        f"hcqa.serve needs starlette and prometheus-client: {exc.name} is "
+        f"hcqa.serve needs starlette, prometheus-client and httptools: {exc.name} is "
         f"missing ({install_hint('serve')})"
     ) from exc
 

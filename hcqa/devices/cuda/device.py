@@ -196,6 +196,8 @@ class CudaDevice(Device):
             raise
         for _ in range(_SEED_PROBES):
             self._executors()[0].probe()
+        for actor in self._queues.values():  # other streams may wait for these on the GPU
+            drv.add_wait_source(actor.signal, actor.engine)
 
     def _executors(self) -> list[CuExecutor]:
         return [a.engine for a in self._queues.values()]  # type: ignore[misc]
@@ -311,6 +313,8 @@ class CudaDevice(Device):
     # -- lifetime --------------------------------------------------------------------------
 
     def _release(self) -> None:
+        for actor in self._queues.values():
+            drv.drop_wait_source(actor.signal)
         super()._release()
         if self._hung or any(e.alive for e in self._executors()) or self._pump_running:
             return  # the GPU may still run host functions: keep the fd and memory

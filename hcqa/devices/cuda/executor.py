@@ -113,6 +113,8 @@ class CuExecutor:
         self._launch = self._driver.cuLaunchKernel
         self._staging = 0  # pinned host memory (address), made at the first host copy
         self.segments = 0  # segments closed (every 256th samples the clocks)
+        self.enqueued = 0  # the highest value of this queue's signal handed to the stream
+        self.device_waits = 0  # Waits ordered on the GPU (``device_wait``)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -139,6 +141,39 @@ class CuExecutor:
 
     def run_inline(self, run: list[Any]) -> None:
         self.put(run)
+
+    def device_wait(self, signal: Any, value: int) -> bool:
+        """Order "``signal`` reaches ``value``" on the GPU (the queue actor's Wait), when
+        ``signal`` is the queue signal of another stream in this context whose work up to
+        ``value`` is already on that stream: record an event there now (it captures all of
+        that work) and make this stream wait for it (``cuStreamWaitEvent``). False: the
+        actor waits on the host instead."""
+        other = drv.wait_source(signal)
+        if other is None or other is self or other.enqueued < value:
+            return False
+        if int(other.device.cu_context) != int(self.device.cu_context):
+            return False
+        if self.error is not None or other.error is not None:
+            return False  # the host path breaks and skips as it should
+        driver = self._driver
+        with other._lock:  # (no lock is held while the other is taken: no order to keep)
+            drv.current(self.device.cu_context)
+            ev = self.device._take_event()
+            try:
+                drv.check("cuEventRecord", driver.cuEventRecord(ev, other.stream))
+            except drv.CudaError:
+                self.device._free_events.append(ev)
+                return False
+        with self._lock:
+            try:
+                drv.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self.stream, ev, 0))
+            except drv.CudaError as exc:
+                self._on_fault(None, exc)
+                return True  # faulted: what follows is skipped
+            finally:  # the wait took the event's state at the call: it may be recorded again
+                self.device._free_events.append(ev)
+        self.device_waits += 1
+        return True
 
     def stop(self) -> None:
         self.put(None)
@@ -180,6 +215,7 @@ class CuExecutor:
         what = ""
         busy = False  # stream work since the last segment
         stream, launch = self.stream, self._launch
+        own = self.device._queues[self.kind].signal
         for i, c in enumerate(run):
             if self.error is not None:
                 self._skip(run[i:], self.error)
@@ -219,6 +255,8 @@ class CuExecutor:
                 what = what or _describe(c)
             elif kind is _SIGNAL:
                 books.append(("signal", c.signal, c.value))
+                if c.signal is own and c.value > self.enqueued:
+                    self.enqueued = c.value
             elif kind is _STEP:
                 books.append(("step", c.timeline, c.seq))
             elif kind is _STAMP:
