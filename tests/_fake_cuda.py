@@ -142,6 +142,9 @@ class FakeDriver:
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
     )
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK=0)
+    CUctx_flags = SimpleNamespace(
+        CU_CTX_SCHED_SPIN=1, CU_CTX_SCHED_YIELD=2, CU_CTX_SCHED_BLOCKING_SYNC=4
+    )
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0)
 
@@ -176,6 +179,10 @@ class FakeDriver:
 
     def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[int, Handle]:
         return (SUCCESS, self.ctx)
+
+    def cuDevicePrimaryCtxSetFlags(self, dev: int, flags: int) -> tuple[int]:
+        self.ctx_flags = flags
+        return (SUCCESS,)
 
     def cuCtxSetCurrent(self, ctx: Any) -> tuple[int]:
         return (SUCCESS,)

@@ -679,3 +679,37 @@ async def test_a_hazard_between_its_own_streams_is_waited_for_on_the_gpu() -> No
         assert g.copy.engine.device_waits == before + 1
         got, final = await _read(z), await _read(x)
         assert got[0] == final[0] and final[0] != 2.0, (got, final)
+
+
+@gpu
+async def test_a_copy_in_after_a_copy_out_to_the_same_array_reads_what_it_wrote() -> None:
+    """A small copy-in takes its host bytes at once, unless a copy-out into host memory may
+    still be writing them: then in stream order, after it."""
+    async with hcqa.open_device("cuda:0") as g:
+        x, y, z = (g.alloc(shape=(1,), dtype="float32") for _ in range(3))
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        host = np.full(1, -1.0, np.float32)
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        x.copyout(host)  # not awaited: it waits for the kernel (a hazard) ...
+        await y.copyin(host)  # ... and this copy-in behind it on the copy queue reads host
+        final = await _read(x)
+        assert final[0] != 2.0
+        np.testing.assert_array_equal(await _read(y), final)
+        await z.copyin(host)  # nothing pending now: taken at once
+        np.testing.assert_array_equal(await _read(z), final)
+
+
+@pytest.mark.skipif(REAL, reason="the flag applies once per process: checked on the stand-in")
+@gpu
+async def test_the_schedule_flag_is_set_before_the_context_is_made(
+    cuda_driver: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HCQA_CUDA_SCHED", "bogus")
+    with pytest.raises(hcqa.InvalidCommand, match=r"HCQA_CUDA_SCHED must be one of .*'bogus'"):
+        async with hcqa.open_device("cuda:0"):
+            pass
+    monkeypatch.setenv("HCQA_CUDA_SCHED", "blocking")
+    async with hcqa.open_device("cuda:0"):
+        assert cuda_driver.ctx_flags == 4  # CU_CTX_SCHED_BLOCKING_SYNC

@@ -48,7 +48,7 @@ import trio
 
 from hcqa.devices.base import Device
 from hcqa.devices.cuda import driver as drv
-from hcqa.devices.cuda.executor import CuExecutor, Segment, _Temp
+from hcqa.devices.cuda.executor import CuExecutor, Segment, _Pinned, _Temp
 from hcqa.devices.cuda.memory import CuAllocator
 from hcqa.devices.cuda.program import CuProgram, build
 from hcqa.devices.program import Program
@@ -98,6 +98,9 @@ class CudaDevice(Device):
         self._loop = -1
         self._fd_closed = False
         self._released = False
+        # copies into host memory enqueued and not yet processed: while any is, a small
+        # copy-in reads its host array in stream order too, not at once (it may be that one)
+        self._host_writes = 0
         try:
             options["host_visible"] = False
             super().__init__(name, **options)
@@ -250,6 +253,10 @@ class CudaDevice(Device):
         if pending and pending[0].words[drv.FIRED] and threading.get_ident() == self._loop:
             self._drain([executor])
 
+    def _tidy_all(self) -> None:
+        for ex in self._executors():
+            self._tidy(ex)
+
     def _drain(self, executors: list[CuExecutor]) -> bool:
         progress = False
         for ex in executors:
@@ -260,8 +267,11 @@ class CudaDevice(Device):
                 self._sample(seg)
                 ex.complete(seg)
                 self._free_events.extend(seg.events)
+                self._host_writes -= seg.hostw
                 for k in seg.keep:
-                    if type(k) is _Temp:
+                    if type(k) is _Pinned:
+                        k.executor._blocks.append(k.block)
+                    elif type(k) is _Temp:
                         self.allocator.free(k.block)  # type: ignore[arg-type]
                 seg.keep = []
                 if seg.words[drv.DONE]:
