@@ -713,3 +713,14 @@ async def test_the_schedule_flag_is_set_before_the_context_is_made(
     monkeypatch.setenv("HCQA_CUDA_SCHED", "blocking")
     async with hcqa.open_device("cuda:0"):
         assert cuda_driver.ctx_flags == 4  # CU_CTX_SCHED_BLOCKING_SYNC
+
+
+@gpu
+async def test_a_kernel_compiled_otherwise_than_its_source_reads_is_refused() -> None:
+    """The parameters read from the source are checked against the compiled kernel's own
+    layout (cuFuncGetParamInfo): a macro that makes ``n`` 64-bit would misplace the vals.
+    (The stand-in driver compiles ``misread`` as (pointer, 64-bit) whatever the source.)"""
+    sneaky = '#define int long long\nextern "C" __global__ void misread(char *y, int n) { }'
+    async with hcqa.open_device("cuda:0") as g:
+        with pytest.raises(hcqa.InvalidCommand, match=r"sizes \[8, 4\] bytes; got sizes \[8, 8\]"):
+            g.program("misread", sneaky)
