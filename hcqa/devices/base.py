@@ -234,6 +234,15 @@ class Device(Faults, HostCopies, Lifetime):
 
     # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
 
+    def _patches_in_place(self, exec_: cmd.Exec) -> bool:
+        """Whether this device's executor resolves ``exec_``'s symbolic vals itself, at
+        launch, from the ``Bind`` its batch starts with (``commands.Bind``): a queue or
+        graph submitted with new values then sends its commands as built, with one
+        ``Bind`` (``_graph/patch.py``, ``CommandSlot``), instead of a new command per
+        launch. By default a Python kernel's (the cpu engine resolves them); typed vals
+        are still range-checked at submit, once per value."""
+        return exec_.program.kernel is None and getattr(exec_.program, "val_ranges", 1) is None
+
     def _fusable(self, exec_: cmd.Exec) -> bool:
         """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
         submitted again then send each run of such launches as one command, made by
