@@ -122,6 +122,9 @@ class Device(Faults, HostCopies, Lifetime):
     # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
     # objects alive must not.
     shares_native: ClassVar[bool] = False
+    # True where the driver can keep some Waits itself (``_driver_wait``): the queue actors
+    # then ask before they await one on the host.
+    driver_waits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -213,6 +216,15 @@ class Device(Faults, HostCopies, Lifetime):
         ``Load`` (copy); the engine itself does ``Signal``, ``Timestamp``,
         ``MemoryBarrier`` and ``Step``. Only used by the default :meth:`_executor`."""
         raise NotImplementedError
+
+    def _driver_wait(self, actor: QueueActor, signal: Signal, value: int) -> Any:
+        """A fast path a backend may offer (with ``driver_waits = True``): what to hand
+        ``actor``'s executor in the place of ``Wait(signal, value)`` so that its driver
+        holds the commands after it until ``signal >= value`` -- ordering work the driver
+        already has, with the same semantics and fault crossing as the host's wait -- or
+        None: the actor awaits the signal on the host (signals produced elsewhere: the host,
+        another process, another driver). None by default."""
+        return None
 
     def _inline(self, command: Any) -> bool:
         """Whether ``command``, alone in a batch on an idle queue with no hazard, may run
