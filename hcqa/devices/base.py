@@ -171,21 +171,6 @@ class Device(Faults, HostCopies, Lifetime):
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
 
-    def _abandon_build(self) -> None:
-        """Close what a construction that failed part-way made: executors (never
-        started), queue signals, the timeline, the memory."""
-        made = vars(self)
-        for thing in made.get("_made", ()):
-            if isinstance(thing, Signal):
-                thing.close()
-            else:
-                thing.join(0)
-                thing.exited.close()
-        if "_timeline" in made:
-            self._timeline.close()
-        if "allocator" in made:
-            self.allocator.close()
-
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
     def _make_allocator(self, capacity: int) -> CachingAllocator:
