@@ -766,3 +766,12 @@ async def test_a_kernel_compiled_otherwise_than_its_source_reads_is_refused() ->
     async with hcqa.open_device("cuda:0") as g:
         with pytest.raises(hcqa.InvalidCommand, match=r"sizes \[8, 4\] bytes; got sizes \[8, 8\]"):
             g.program("misread", sneaky)
+
+
+@gpu
+def test_info_lists_each_gpu_by_its_spec() -> None:
+    from hcqa.cli._cuda import cuda_rows
+
+    rows = dict(cuda_rows())
+    assert rows["cuda"].endswith("device(s)")
+    assert "compute capability" in rows["cuda:0"] and "GiB" in rows["cuda:0"]
