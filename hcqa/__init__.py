@@ -4,7 +4,6 @@ from hcqa.aio import open_asyncio_host
 from hcqa.batcher import Batcher, BatcherStatistics, open_batcher
 from hcqa.devices import (
     Buffer,
-    CpuDevice,
     Device,
     DeviceStatistics,
     Program,
@@ -13,6 +12,7 @@ from hcqa.devices import (
     open_devices,
     transfer,
 )
+from hcqa.devices.cpu import CpuDevice
 from hcqa.errors import (
     DeviceClosed,
     DeviceFault,

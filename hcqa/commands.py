@@ -32,6 +32,7 @@ class ProgramRef(Protocol):
 
     name: str
     kernel: Any  # its C kernel (``CKernel``), or None
+    device: Any  # its device (``Device``)
 
     def access(self, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]: ...
 

@@ -19,9 +19,10 @@ At the end of the block the graph is *built*, once (``_graph/build.py`` tells ho
   replay, plus *patch slots* for what changes per replay -- signal values
   (they count on from wherever the queue's signal is at replay time) and
   commands with variables (only those: a static command of a batch that also has a
-  symbolic one stays static). Consecutive C kernels on a cpu device are fused into
-  one native runner call (``devices/cpu/crunner.py``), those with variables too: their entries
-  of the runner's argument table are filled per replay.
+  symbolic one stays static). Consecutive launches that the device can fuse become one
+  fused command, those with variables too (the fusion seam, ``devices/fusion.py``: on a
+  cpu device, C kernels as one native call over an argument table whose symbolic entries
+  are filled per replay).
 
 Replay (``g.submit(**var_vals)`` or ``await g(**var_vals)``) resolves each distinct
 expression once, then the patch slots -- a slot whose values did not change since its

@@ -57,9 +57,10 @@ import trio
 
 from hcqa import aio
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, check_int, check_plain_dtype, check_sample, check_shape
+from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import transfer
 from hcqa.devices.program import Program, check_return
+from hcqa.devices.sizes import check_int, check_plain_dtype, check_sample, check_shape
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
 from hcqa.signals import Fence

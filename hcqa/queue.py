@@ -12,10 +12,11 @@ against ``var_vals`` (range-checked), adds waits for buffer hazards on other
 queues, and sends the whole batch as *one* message to the queue's actor. It
 can be submitted again and again with new values.
 
-Submitted again, a queue is sent the way a graph replay is: where the device fuses C
-kernels, each run of consecutive C kernels goes as one native call over an argument
-table (``_graph.build.fuse_batch``), and new values are written into a fresh copy of
-that table instead of building a command per kernel (see :meth:`Queue._resolve`).
+Submitted again, a queue is sent the way a graph replay is: where the device fuses
+launches (the fusion seam, ``devices/fusion.py``), each run of them goes as one fused
+command (``_graph.build.fuse_batch``: on a cpu device, C kernels as one native call over
+an argument table), and new values are bound into a fresh copy of it instead of building
+a command per kernel (see :meth:`Queue._resolve`).
 
 Two ways to submit, by what should happen when the queue's channel is full:
 
@@ -230,10 +231,11 @@ class Queue:
         """The commands to send: variables bound -- or kept, inside a capture with no
         ``var_vals``, for the graph to bind at replay.
 
-        A queue is sent in its *fused* form where its device fuses C kernels (as a graph
-        replay is): each run of consecutive C kernels becomes one native call over an
-        argument table, and new values are one numpy assignment per variable into a fresh
-        copy of that table, instead of a new command per kernel. A queue with variables is
+        A queue is sent in its *fused* form where its device fuses launches (as a graph
+        replay is): each run of them becomes one fused command (``Device._fuse``; on a cpu
+        device one native call over an argument table), and new values are bound into a
+        fresh copy of it (``FusedRun.bound``: one numpy assignment per variable), instead
+        of a new command per kernel. A queue with variables is
         fused from its first submit; one without from its second: once sent, each of its
         commands keeps its native record, so a queue sent once is cheapest as built, and
         one sent again cheapest fused. Not while a tracer records (it shows every kernel)

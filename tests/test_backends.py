@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -22,8 +23,10 @@ import hcqa
 from hcqa import commands as cmd
 from hcqa.devices import backends
 from hcqa.devices.base import Device
+from hcqa.devices.fusion import FusedRun
 from hcqa.devices.program import Program
 from hcqa.errors import DeviceFault, InvalidCommand
+from hcqa.variables import Variable
 
 TIMEOUT = 30
 
@@ -196,3 +199,113 @@ async def test_a_backend_that_cannot_be_imported_is_refused_with_its_hint() -> N
 def test_register_refuses_bad_entries(kind: str, target: str, expected: str) -> None:
     with pytest.raises(InvalidCommand, match=expected.replace("(", r"\(").replace(")", r"\)")):
         backends.register(kind, target, missing="-")
+
+
+# -- the fusion seam: a backend's own fused runs, with no change in the graph code ----------------
+
+
+@attrs.frozen(eq=False)
+class PyRun(FusedRun):
+    """SyncFusingDevice's fused command: its launches, run one after another by one handler;
+    the values of its symbols travel with it (bound per replay)."""
+
+    execs: tuple[Any, ...]
+    names: tuple[str, ...]
+    symbols: tuple[Any, ...]
+    values: Any = None
+
+    def buffers(self) -> tuple[Any, ...]:
+        return tuple(dict.fromkeys(b for e in self.execs for b in e.buffers))
+
+    def bound(self, values: Any, rebind: Any) -> PyRun:
+        execs = self.execs
+        if rebind:
+            execs = tuple(
+                attrs.evolve(e, buffers=tuple(rebind.get(b, b) for b in e.buffers)) for e in execs
+            )
+        return PyRun(
+            execs=execs,
+            names=self.names,
+            symbols=self.symbols,
+            values=self.values if values is None else dict(values),
+        )
+
+
+class SyncFusingDevice(SyncDevice):
+    """A SyncDevice that fuses every run of Python launches into one PyRun."""
+
+    kind = "syncfuse"
+    fused: list[PyRun]  # every PyRun its executor ran
+
+    def _executor(self, kind: str) -> SyncExecutor:
+        executor = super()._executor(kind)
+        executor._handlers[PyRun] = self._run
+        self.fused = []
+        return executor
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        return exec_.program.kernel is None
+
+    def _fuse(self, run: Any, *, at_submit: bool) -> PyRun:
+        symbols = {
+            v: None for e in run for v in (*e.vals, *e.global_size, *e.local_size)
+            if isinstance(v, Variable)
+        }  # fmt: skip
+        return PyRun(
+            execs=tuple(run), names=tuple(e.program.name for e in run), symbols=tuple(symbols)
+        )
+
+    def _run(self, c: PyRun) -> None:
+        self.fused.append(c)
+        for e in c.execs:
+            vals = [c.values[v] if isinstance(v, Variable) else v for v in e.vals]
+            e.program.fn(*[b._kernel_array() for b in e.buffers], *vals)
+
+
+@pytest.fixture
+def fusing_backend() -> Iterator[None]:
+    backends.register(
+        "syncfuse", f"{__name__}:SyncFusingDevice", missing="the test backend is gone"
+    )
+    try:
+        yield
+    finally:
+        del backends._BACKENDS["syncfuse"]
+
+
+def _add_n(out: Any, inp: Any, n: int) -> None:
+    np.add(inp, n, out=out)
+
+
+async def test_a_backend_gets_fused_replays_by_implementing_the_seam(fusing_backend: None) -> None:
+    """Three launches in a row become one PyRun in a graph and in a queue submitted again;
+    replays bind a Variable through ``bound`` and rebind buffers through it too."""
+    n = Variable("n", 0, 100)
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("syncfuse:0") as d:
+            bufs = [d.alloc(shape=4, dtype=np.int64) for _ in range(4)]
+            other = d.alloc(shape=4, dtype=np.int64)
+            prog = d.program("addn", _add_n)
+            await bufs[0].copyin(np.arange(4, dtype=np.int64))
+            with hcqa.capture() as g:
+                for i in range(3):
+                    prog(bufs[i + 1], bufs[i], vals=(n,))
+            assert g.statistics().native_runs == 1
+            await g(n=2)
+            out = np.empty(4, np.int64)
+            await bufs[3].copyout(out)
+            np.testing.assert_array_equal(out, np.arange(4) + 6)
+            await g(n=5, buffers={bufs[3]: other})
+            await other.copyout(out)
+            np.testing.assert_array_equal(out, np.arange(4) + 15)
+            assert [len(r.execs) for r in d.fused] == [3, 3]
+            assert [r.values for r in d.fused] == [{n: 2}, {n: 5}]
+
+            q = d.compute_queue()
+            for i in range(3):
+                q.exec(prog, (bufs[i + 1], bufs[i]), vals=(1,))
+            await q.submit()
+            await q.submit()  # a constant queue is sent fused from its second submit
+            assert len(d.fused) == 3 and d.fused[-1].names == ("addn",) * 3
+            await bufs[3].copyout(out)
+            np.testing.assert_array_equal(out, np.arange(4) + 3)

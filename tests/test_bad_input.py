@@ -196,6 +196,7 @@ class Case:
 
 def _cases() -> list[Any]:
     o, C = hcqa.open_devices, Case
+    _NO_CUDA = r"CUDA (driver|backend)|cuda:99 does not exist"
     # hcqa refuses every bad argument with InvalidCommand; TypeError only from Python itself
     ic, py_te, dc_ = InvalidCommand, TypeError, DeviceClosed
     f32 = np.float32
@@ -207,7 +208,7 @@ def _cases() -> list[Any]:
         C("open-device-bad", lambda e: _enter(hcqa.open_device("cpu0")), ic, "must look like"),
         C("open-no-spec", lambda e: _enter(o()), ic, "at least one device spec"),
         C("open-duplicate", lambda e: _enter(o("cpu:5", "cpu:5")), ic, "once per call"),
-        C("open-cuda", lambda e: _enter(o("cuda:0")), ic, "no CUDA device yet", False),
+        C("open-cuda", lambda e: _enter(o("cuda:99")), ic, _NO_CUDA, False),
         C("hang-str", lambda e: _enter(o("cpu:5", hang_limit="1")), ic, "'hang_limit'"),
         C("hang-bool", lambda e: _enter(o("cpu:5", hang_limit=True)), ic, "'hang_limit'"),
         C("hang-zero", lambda e: _enter(o("cpu:5", hang_limit=0)), ic, r"'hang_limit' must be > 0"),

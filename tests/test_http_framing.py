@@ -8,7 +8,11 @@ otherwise, the case says so in ``HYPERCORN`` (recorded, not fixed: it is not hcq
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -16,9 +20,12 @@ from typing import Any
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hcqa.serve import http as hcqa_http
 from hcqa.serve.http import serve_http
+from hcqa.serve.http_head import END, _BadRequest, _Parser, _Request
 
 pytest.importorskip("hypercorn")
 
@@ -67,10 +74,12 @@ async def host(kind: str, **options: Any) -> AsyncIterator[int]:
         nursery.cancel_scope.cancel()
 
 
-async def exchange(port: int, data: bytes, *, pieces: int = 0) -> tuple[list[int], bool]:
+async def exchange(
+    port: int, data: bytes, *, pieces: int = 0, wait: float = 10
+) -> tuple[list[int], bool]:
     """Send ``data`` (in ``pieces`` bytes at a time if given), then read until the server
     closes: (the statuses of the responses read, whether the server closed the connection
-    within 10 s)."""
+    within ``wait`` seconds)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     got = b""
     closed = False
@@ -81,7 +90,7 @@ async def exchange(port: int, data: bytes, *, pieces: int = 0) -> tuple[list[int
                 await stream.send_all(data[i : i + step])
         except trio.BrokenResourceError:
             pass  # the server closed while we sent: read what it answered
-        with trio.move_on_after(10):
+        with trio.move_on_after(wait):
             while True:
                 try:
                     chunk = await stream.receive_some(65536)
@@ -91,7 +100,7 @@ async def exchange(port: int, data: bytes, *, pieces: int = 0) -> tuple[list[int
                     closed = True
                     break
                 got += chunk
-    statuses = [int(line.split()[1]) for line in got.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    statuses = [int(m) for m in re.findall(rb"HTTP/1\.[01] (\d{3}) ", got)]
     return statuses, closed
 
 
@@ -123,7 +132,7 @@ async def test_an_unexpected_error_stays_in_its_connection(
 
     async with host("hcqa") as port:
         with monkeypatch.context() as m:
-            m.setattr(hcqa_http, "_Request", type("R", (), {"parse": staticmethod(broken)}))
+            m.setattr(_Parser, "_request", broken)
             with caplog.at_level(logging.ERROR, "hcqa.serve.http"):
                 statuses, closed = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert statuses == [500] and closed
@@ -145,3 +154,233 @@ async def test_an_error_past_the_head_closes_only_its_connection(
         assert statuses == [] and closed
         assert "a bug while answering" in caplog.text
         await still_answers(port)
+
+
+# -- framing: each case refused, the connection closed, the server unharmed ----------------------
+
+H = b"Host: x\r\n"
+CHUNKED = b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+CASES: dict[str, tuple[bytes, int]] = {
+    # chunked framing
+    "chunk data not followed by CRLF": (CHUNKED + b"3\r\nabcXX0\r\n\r\n", 400),
+    "bare LF after a chunk size": (CHUNKED + b"3\nabc\r\n0\r\n\r\n", 400),
+    "bare LF after chunk data": (CHUNKED + b"3\r\nabc\n0\r\n\r\n", 400),
+    "chunk size past 64 bits": (CHUNKED + b"f" * 17 + b"\r\na\r\n0\r\n\r\n", 400),
+    "chunk size -1": (CHUNKED + b"-1\r\na\r\n0\r\n\r\n", 400),
+    "chunk size 0x1": (CHUNKED + b"0x1\r\na\r\n0\r\n\r\n", 400),
+    "over-long chunk extension": (CHUNKED + b"1;" + b"e" * 20_000 + b"\r\na\r\n0\r\n\r\n", 400),
+    "over-long trailer line": (CHUNKED + b"0\r\nT: " + b"t" * 20_000 + b"\r\n\r\n", 400),
+    # which framing: Transfer-Encoding and Content-Length
+    "two Transfer-Encoding lines": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        400,
+    ),
+    "Transfer-Encoding gzip, chunked": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        400,
+    ),
+    "Transfer-Encoding gzip": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+        400,
+    ),
+    "Transfer-Encoding with Content-Length": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        400,
+    ),
+    "Transfer-Encoding on HTTP/1.0": (
+        b"POST /c HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n",
+        400,
+    ),
+    "two Content-Lengths": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+        400,
+    ),
+    "Content-Length 1, 2": (b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: 1, 2\r\n\r\nab", 400),
+    "Content-Length -1": (b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
+    "Content-Length +1": (b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: +1\r\n\r\na", 400),
+    "Content-Length of 5000 digits": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+        400,
+    ),
+    "an Upgrade with a body": (
+        b"POST /c HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n"
+        b"Content-Length: 3\r\n\r\nabc",
+        400,
+    ),
+    # header bytes
+    "NUL in a header value": (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", 400),
+    "NUL in a header name": (b"GET / HTTP/1.1\r\nHost: x\r\nX\x00: ab\r\n\r\n", 400),
+    "bare CR in a header value": (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\rb\r\n\r\n", 400),
+    "bare CR in a header name": (b"GET / HTTP/1.1\r\nHost: x\r\nX\r: ab\r\n\r\n", 400),
+    "space before the colon": (b"GET / HTTP/1.1\r\nHost : x\r\n\r\n", 400),
+    "a folded header": (b"GET / HTTP/1.1\r\nHost: x\r\nX: a\r\n b\r\n\r\n", 400),
+    "a bare LF ending the head": (b"GET / HTTP/1.1\r\nHost: x\n\n", 400),
+    # Host
+    "no Host on HTTP/1.1": (b"GET / HTTP/1.1\r\n\r\n", 400),
+    "two Hosts on HTTP/1.1": (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400),
+    "two Hosts on HTTP/1.0": (b"GET / HTTP/1.0\r\nHost: x\r\nHost: y\r\n\r\n", 400),
+    # the request line
+    "HTTP/0.9": (b"GET /\r\n", 400),
+    "HTTP/2.0 in text": (b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    "a lower-case method": (b"get / HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "a control byte in the target": (b"GET /a\x01b HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "an authority-form target": (b"CONNECT x:443 HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "an asterisk-form target": (b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    # limits
+    "a head past 64 KiB": (b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+    "a request line past 64 KiB": (b"GET /" + b"a" * 70_000, 431),
+}
+
+
+#: hypercorn (h11) where it answers otherwise than hcqa: (statuses, closed) -- recorded, not
+#: fixed. None: no answer, the connection left open (h11 waits for 2**68 bytes of chunk).
+HYPERCORN: dict[str, tuple[list[int], bool] | None] = {
+    "chunk size past 64 bits": None,
+    "over-long chunk extension": ([200], True),  # h11 skips extensions of any length
+    "over-long trailer line": ([200], True),  # within h11's 16 KiB? no: trailers unbounded
+    "two Transfer-Encoding lines": ([501], True),
+    "Transfer-Encoding gzip, chunked": ([501], True),
+    "Transfer-Encoding gzip": ([501], True),
+    "Transfer-Encoding with Content-Length": ([200], True),  # chunked wins, then it closes
+    "Transfer-Encoding on HTTP/1.0": ([200], True),
+    "an Upgrade with a body": ([200], True),
+    "a folded header": ([200], True),  # obs-fold joined
+    "a bare LF ending the head": ([200], True),
+    "HTTP/0.9": ([], True),  # closed without an answer
+    "HTTP/2.0 in text": ([200], True),
+    "a lower-case method": ([200], True),
+    "an authority-form target": ([200], True),
+    "an asterisk-form target": ([200], True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@HOSTS
+async def test_framing_cases(kind: str, case: str) -> None:
+    data, status = CASES[case]
+    want: tuple[list[int], bool] | None = ([status], True)
+    if kind == "hypercorn":
+        want = HYPERCORN.get(case, want)
+    async with host(kind) as port:
+        got = await exchange(port, data, wait=10 if want is not None else 1)
+        if want is None:
+            assert got[0] == []
+        else:
+            assert got == want
+        await still_answers(port)
+
+
+# -- what must be accepted ---------------------------------------------------------------------
+
+
+@HOSTS
+async def test_absolute_form_targets_are_served_by_their_path(kind: str) -> None:
+    async with host(kind) as port:
+        statuses, _ = await exchange(
+            port,
+            b"GET http://x/a%20b?q=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET HTTP://x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        assert statuses == [200, 200]
+    async with host("hcqa") as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET http://x/a%20b?q=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while not got.endswith(b"GET /a%20b "):
+                got += await stream.receive_some(65536)
+
+
+async def test_pipelined_requests_then_garbage_answer_in_order_then_400() -> None:
+    async with host("hcqa") as port:
+        ok = b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+        chunked = CHUNKED + b"2;x=y\r\nhi\r\n0\r\nT: v\r\n\r\n"
+        statuses, closed = await exchange(port, ok + chunked + b"GARBAGE\r\n\r\n" + ok)
+        assert statuses == [200, 200, 400] and closed
+
+
+async def test_a_head_trickled_a_byte_at_a_time_is_served() -> None:
+    async with host("hcqa") as port:
+        head = b"GET /t HTTP/1.1\r\nHost: x\r\nX: " + b"v" * 6000 + b"\r\nConnection: close\r\n\r\n"
+        statuses, closed = await exchange(port, head, pieces=1)
+        assert statuses == [200] and closed
+
+
+def _head(n: int) -> bytes:
+    return b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"v" * n + b"\r\n\r\n"
+
+
+def _feed_cpu(data: bytes, step: int) -> float:
+    """The least CPU time of three parses of ``data`` fed ``step`` bytes at a time."""
+    best = math.inf
+    for _ in range(3):
+        p = _Parser()
+        t0 = time.process_time()
+        for i in range(0, len(data), step):
+            p.feed(data[i : i + step])
+        best = min(best, time.process_time() - t0)
+        assert [type(e) for e in p.events] == [_Request, type(END)]
+    return best
+
+
+def test_a_trickled_head_costs_cpu_linear_in_its_size() -> None:
+    # a byte at a time: 10x the bytes must cost about 10x the CPU (quadratic: 100x)
+    ratio = _feed_cpu(_head(60_000), 1) / _feed_cpu(_head(6_000), 1)
+    assert ratio < 25, ratio
+
+
+def test_100_continue_only_for_http_1_1_with_a_body() -> None:
+    def parsed(data: bytes) -> _Request:
+        p = _Parser()
+        p.feed(data)
+        req = p.events[0]
+        assert isinstance(req, _Request), req
+        return req
+
+    expect = b"Expect: 100-continue\r\n"
+    assert parsed(
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n" + expect + b"\r\n"
+    ).continue_
+    assert not parsed(b"POST / HTTP/1.0\r\nContent-Length: 4\r\n" + expect + b"\r\n").continue_
+    assert not parsed(b"GET / HTTP/1.1\r\nHost: x\r\n" + expect + b"\r\n").continue_
+
+
+def _events(p: _Parser) -> list[Any]:
+    """The parser's events with each message's body joined (splits may cut it anywhere)."""
+    out: list[Any] = []
+    for e in p.events:
+        if isinstance(e, bytes) and out and isinstance(out[-1], bytes):
+            out[-1] += e
+        elif isinstance(e, _Request):
+            out.append((e.method, e.target, e.version, e.headers, e.keep, e.chunked))
+        elif isinstance(e, _BadRequest):
+            out.append(e.status)  # which check saw it first may differ: llhttp's or hcqa's
+        else:
+            out.append(e)
+    return out
+
+
+STREAM = (
+    b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+    + b"POST /b HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+    + CHUNKED
+    + b"3;e=1\r\nabc\r\n1\r\nd\r\n0\r\nT: v\r\n\r\n"
+    + b"\r\nGET http://h/c HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12), st.sampled_from([b"", b"GET /\n\n"]))
+def test_any_split_parses_alike(cuts: list[int], tail: bytes) -> None:
+    data = STREAM + tail
+    whole = _Parser()
+    whole.feed(data)
+    split = _Parser()
+    bounds = [0, *sorted(cuts), len(data)]
+    for a, b in itertools.pairwise(bounds):
+        split.feed(data[a:b])
+    assert _events(split) == _events(whole)
+    assert sum(isinstance(e, _Request) for e in whole.events) == 4

@@ -120,7 +120,7 @@ async def test_a_short_copy_of_a_file_mapping_goes_to_the_copy_engine(tmp_path: 
     of the same size may run inline."""
     import mmap
 
-    from hcqa.devices.buffer import host_ref
+    from hcqa.devices.hostarrays import host_ref
 
     path = tmp_path / "data.bin"
     data = np.arange(4096, dtype=np.uint8)

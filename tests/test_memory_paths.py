@@ -765,7 +765,7 @@ def test_array_address_is_numpys_data_pointer(
     """The copy path reads an array's data pointer straight from the array object; it
     must be numpy's own answer for every kind of array a copy may be given (and the public
     way is taken where that read was found not to hold)."""
-    from hcqa.devices import buffer
+    from hcqa.devices import hostarrays as buffer
 
     assert buffer._DATA_AT is not None  # CPython and numpy as hcqa supports them
     if not fast:

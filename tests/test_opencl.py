@@ -113,7 +113,7 @@ async def test_copies_and_saxpy_against_numpy() -> None:
 async def test_launches_in_one_submit_each_get_their_own_arguments() -> None:
     """Consecutive launches of one kernel in one batch, resubmitted: each launch runs with
     its own buffers and vals (arguments are set only where they differ from the kernel's)."""
-    n = 64
+    n = 128  # the view below starts at 512 bytes: NVIDIA's OpenCL aligns sub-buffers to 512
     async with hcqa.open_device("opencl:0") as g:
         a = g.alloc(shape=(n,), dtype="float32")
         b = g.alloc(shape=(n,), dtype="float32")
@@ -123,7 +123,7 @@ async def test_launches_in_one_submit_each_get_their_own_arguments() -> None:
             await buf.copyin(np.zeros(buf.shape, np.float32))
         await x.copyin(np.ones(n, np.float32))
         k = g.program("saxpy", SOURCE)
-        tail = big.view(n * 4, n * 4, dtype="float32")  # a sub-buffer at 256 bytes
+        tail = big.view(n * 4, n * 4, dtype="float32")  # a sub-buffer at 512 bytes
         q = g.compute_queue()
         geo = {"global_size": (n // 16, 1, 1), "local_size": (16, 1, 1)}
         for y, m in ((a, 1), (a, 1), (b, 2), (a, 3), (tail, 5), (tail, 5), (b, 7)):

@@ -257,7 +257,7 @@ async def test_http_1_0_closes_unless_asked_and_connection_close_is_honoured() -
         assert (await c.response())[0] == 200
         await c.aclose()
         c = await Raw.connect(port)
-        await c.stream.send_all(b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n")
+        await c.stream.send_all(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert (await c.response())[1]["connection"] == "close"
         assert await c.closed()
 
@@ -287,7 +287,7 @@ async def test_the_app_hears_a_client_leave() -> None:
 async def test_idle_and_slow_head_timeouts() -> None:
     async with running(keep_alive_timeout=0.2, head_timeout=0.2) as (port, _, _):
         c = await Raw.connect(port)
-        await c.stream.send_all(b"GET /echo HTTP/1.1\r\n\r\n")
+        await c.stream.send_all(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await c.response())[0] == 200
         assert await c.closed()  # idle past keep_alive_timeout
         c = await Raw.connect(port)
@@ -300,7 +300,7 @@ async def test_a_drain_finishes_requests_in_flight_and_answers_late_ones_503() -
     async with running(grace_period=10, keep_alive_timeout=60) as (port, app, stop):
         idle, late = await Raw.connect(port), await Raw.connect(port)
         for c in (idle, late):
-            await c.stream.send_all(b"GET /echo HTTP/1.1\r\n\r\n")
+            await c.stream.send_all(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
             assert (await c.response())[0] == 200
         busy = await Raw.connect(port)
         await busy.stream.send_all(post("/slow", b"x"))

@@ -20,10 +20,10 @@ once, into a :class:`Plan` that :class:`hcqa.graph.Graph` replays:
   wherever it is), so they are *patches*.
 * **Templates** (:func:`build_part`). Each queue's nodes become one list of
   commands: static commands as they are, ``None`` holes for patches (signal and wait
-  values, commands holding variables). Consecutive C kernels are fused into one
-  native runner call (``crunner.fuse_runs``), which may turn symbolic kernels into
-  run slots. For rebinding buffers on replay, the part lists which template entries
-  mention each buffer (``touch``).
+  values, commands holding variables). Consecutive launches the device can fuse
+  become one fused command (``hcqa.devices.fusion.fuse``, which asks the device: the
+  fusion seam), which may turn symbolic kernels into run slots. For rebinding buffers
+  on replay, the part lists which template entries mention each buffer (``touch``).
 * **The boundary**: what the whole graph reads and writes, per allocation, and
   which queue wrote each last -- so a replay can take eager hazards on entry and
   leave them set on exit, as an eager enqueue would.
@@ -40,7 +40,7 @@ import attrs
 
 from hcqa import commands as cmd
 from hcqa._graph.patch import CommandSlot, RunSlot, buffers_of, symbols_of
-from hcqa.devices.cpu.crunner import fuse_runs
+from hcqa.devices.fusion import fuse
 
 if TYPE_CHECKING:
     from hcqa.actors import QueueActor
@@ -254,7 +254,7 @@ def build_part(
             if n.symbolic and type(c) is not cmd.Exec and symbols_of(c):
                 patches.append((len(template), "command", c))
                 template.append(None)
-            else:  # static, or an Exec: fuse_runs makes a slot of it if it must
+            else:  # static, or an Exec: fuse makes a slot of it if it must
                 template.append(c)
         if n.signals:
             patches.append((len(template), "signal", sidx[n]))
@@ -270,7 +270,7 @@ def build_part(
     nsig += 1  # the part's final signal
     patches.append((len(template), "signal", nsig))
     template.append(None)
-    template, patches, fused = fuse_runs(template, patches)
+    template, patches, fused = fuse(template, patches)
     slots: list[tuple[int, CommandSlot | RunSlot]] = []
     values: list[tuple[int, str, Any]] = []
     for index, kind, data in patches:
@@ -311,18 +311,17 @@ def fuse_batch(
     """A built queue's commands with their runs of C kernels fused, for a queue submitted
     again or with variables: the template, and the slots to build per new set of values
     (positions in the template; none for a queue without variables); None when nothing
-    fuses. ``symbolic``: the positions of the commands
-    that hold variables. The runners are generic (``build_runner(generic=True)``): nothing
-    is compiled at a submit beyond a kernel's trampoline, which its first launch needs too."""
+    fuses. ``symbolic``: the positions of the commands that hold variables. The runs are
+    made ``at_submit`` (``Device._fuse``): nothing is compiled on the caller's task."""
     template: list[Any] = []
     patches: list[tuple[int, str, Any]] = []
     for i, c in enumerate(commands):
         if i in symbolic and type(c) is not cmd.Exec:
             patches.append((i, "command", c))
             template.append(None)
-        else:  # static, or an Exec: fuse_runs makes a slot of it if it must
+        else:  # static, or an Exec: fuse makes a slot of it if it must
             template.append(c)
-    template, patches, fused = fuse_runs(template, patches, generic=True)
+    template, patches, fused = fuse(template, patches, at_submit=True)
     if not fused:
         return None
     slots: list[tuple[int, CommandSlot | RunSlot]] = [

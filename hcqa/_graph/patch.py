@@ -4,16 +4,18 @@ Theory of operation
 -------------------
 A graph's template holds, per queue, the commands every replay sends unchanged, and
 *slots* for what may change: a :class:`CommandSlot` (a command with variables) or a
-:class:`RunSlot` (a fused native run whose argument table has symbolic entries).
+:class:`RunSlot` (a fused run whose arguments have symbolic entries: the backend's
+:class:`~hcqa.devices.fusion.FusedRun`, reached only through that interface).
 
 A replay first resolves each distinct expression of the graph once (every Variable
 range-checked once), giving ``values``. Each slot then asks only for the values of the
 expressions it mentions: if they are the ones of its last build, the command it built
 then is sent again (commands are immutable and a run's table is never written after it
 is built, so a replay still in flight is unaffected); otherwise it builds anew -- a
-command through the queue's resolver, a run as a copy of its table with one numpy
-assignment per distinct expression. So a value that did not change costs a tuple
-compare, and one that did costs a copy of the table, not a rebuild of every command.
+command through the queue's resolver, a run through ``FusedRun.bound`` (the cpu backend:
+a copy of its table with one numpy assignment per distinct expression). So a value that
+did not change costs a tuple compare, and one that did costs a copy of the table, not a
+rebuild of every command.
 
 Rebinding (``g(buffers={captured: new})``): :func:`check_rebind` refuses a mapping that
 does not fit before anything is sent; then every template entry that mentions a rebound
@@ -27,11 +29,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import numpy as np
 
 from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.cpu.crunner import RunC, wrap64
+from hcqa.devices.fusion import FusedRun
 from hcqa.errors import InvalidCommand
 from hcqa.variables import Expr, IntLike, Variable, VarVals, resolve
 
@@ -61,8 +62,8 @@ def buffers_of(c: Any) -> tuple[Buffer, ...]:
         return tuple(b for b in (c.dest, c.src) if isinstance(b, Buffer))
     if t is cmd.Load:
         return (c.dest,)
-    if t is RunC:
-        return tuple(b for _, b in c.refs)
+    if isinstance(c, FusedRun):
+        return c.buffers()
     return ()
 
 
@@ -80,19 +81,9 @@ def rebind_command(c: Any, rebind: Rebind) -> Any:
         return attrs.evolve(c, dest=dest, src=src)
     if t is cmd.Load:
         return attrs.evolve(c, dest=rebind.get(c.dest, c.dest))
-    if t is RunC:
-        table = c.table.copy()
-        _fill_refs(table, c, rebind)
-        return c.with_table(table)
+    if isinstance(c, FusedRun):
+        return c.bound(None, rebind)
     return c
-
-
-def _fill_refs(table: Any, run: RunC, rebind: Rebind) -> None:
-    refmap = run.refmap
-    for old, new in rebind.items():
-        positions = refmap.get(old)
-        if positions is not None:
-            table[positions] = new.va_addr
 
 
 class CommandSlot:
@@ -142,45 +133,26 @@ class CommandSlot:
 
 
 class RunSlot:
-    """A fused native run with symbolic entries: a fresh table per new set of values."""
+    """A fused run with symbolic entries (``hcqa/devices/fusion.py``), bound anew only
+    when the values it uses change: the backend's ``FusedRun.bound`` fills them (and any
+    rebound buffers) into a fresh copy of its argument table."""
 
     patch = None  # never patched in place (see CommandSlot)
 
-    __slots__ = ("groups", "key", "last", "run", "symbols")
+    __slots__ = ("key", "last", "run", "symbols")
 
-    def __init__(self, run: RunC) -> None:
+    def __init__(self, run: FusedRun) -> None:
         self.run = run
-        by: dict[Any, tuple[list[int], int, int, str]] = {}
-        for pos, expr, lo, hi, what in run.syms:
-            if expr in by:
-                positions, glo, ghi, gwhat = by[expr]
-                positions.append(pos)
-                by[expr] = (positions, max(glo, lo), min(ghi, hi), gwhat)
-            else:
-                by[expr] = ([pos], lo, hi, what)
-        # per distinct expression: (its table positions, the range all of them fit, what)
-        self.groups = [
-            (expr, np.array(p, dtype=np.intp), lo, hi, what)
-            for expr, (p, lo, hi, what) in by.items()
-        ]
-        self.symbols = tuple(by)
+        self.symbols = run.symbols
         self.key: tuple[int, ...] | None = None
-        self.last: RunC | None = None
+        self.last: FusedRun | None = None
 
-    def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> RunC:
+    def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> FusedRun:
         key = tuple([values[s] for s in self.symbols])
         if rebind is None and key == self.key:
             assert self.last is not None
             return self.last
-        table = self.run.table.copy()
-        for expr, positions, lo, hi, what in self.groups:
-            v = values[expr]
-            if not lo <= v <= hi:
-                raise InvalidCommand(f"{what} must be in [{lo}, {hi}] (got {v} from {expr})")
-            table[positions] = wrap64(v)
-        if rebind is not None:
-            _fill_refs(table, self.run, rebind)
-        out = self.run.with_table(table)
+        out = self.run.bound(values, rebind)
         if rebind is None:
             self.key, self.last = key, out
         return out

@@ -12,20 +12,40 @@ and marks the device hung. A fence never owns its signal.
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from hcqa.errors import SignalTimeout
 
-if TYPE_CHECKING:
-    from hcqa.signals import Signal
-
-__all__ = ["Fence"]
+__all__ = ["Fence", "SignalRef"]
 
 _checkpoint = trio.lowlevel.checkpoint
 _in_trio_task = trio.lowlevel.in_trio_task
+
+
+class SignalRef(Protocol):
+    """A :class:`~hcqa.signals.Signal` as a fence sees it (its public surface and the limited
+    wait): ``hcqa.signals`` builds on this module, so it names the Signal through this."""
+
+    name: str
+
+    @property
+    def value(self) -> int: ...
+
+    @property
+    def timestamp(self) -> float: ...
+
+    async def wait(self, value: int) -> None: ...
+
+    def wait_sync(self, value: int, timeout: float | None = None) -> None: ...
+
+    def statistics(self) -> Any: ...
+
+    async def _wait_limited(
+        self, target: int, hang_limit: float | None, context: str, *, observe: bool = True
+    ) -> None: ...
 
 
 @attrs.frozen(eq=False)
@@ -37,7 +57,7 @@ class Fence:
     carry their hang limit and a description used in error messages.
     """
 
-    signal: Signal
+    signal: SignalRef  # a hcqa.Signal
     value: int
     hang_limit: float | None = attrs.field(default=None, kw_only=True)
     context: str = attrs.field(default="", kw_only=True)

@@ -16,6 +16,12 @@ command is collected into a run and handed to the queue's
 order because the engine is FIFO and a run after a Wait is only handed over
 once the Wait is satisfied.
 
+An executor that can order a Wait on the device itself (``device_wait(signal, value)``
+returns True: the CUDA executor makes its stream wait for another stream of its context,
+``cuStreamWaitEvent``) takes it there instead, behind the run before it, and the actor goes
+on at once; a False answer (a signal it can't see, work not yet handed to the driver) or
+tracing (whose flow arrows come from host waits) keeps the host wait.
+
 A Wait that ends in an error -- the awaited signal was broken by another
 device's fault, or its hang limit passed with no progress -- faults this
 device with that very error instance, so faults travel across devices instead
@@ -89,9 +95,7 @@ class QueueStatistics:
 class QueueActor:
     """The trio task behind one device queue (``kind`` is ``"compute"`` or ``"copy"``)."""
 
-    def __init__(
-        self, device: QueueOwner, kind: str, engine: Executor, *, capacity: int
-    ) -> None:
+    def __init__(self, device: QueueOwner, kind: str, engine: Executor, *, capacity: int) -> None:
         self.device = device
         self.kind = kind
         self.name = f"{device.name} {kind}"
@@ -108,6 +112,8 @@ class QueueActor:
         self._busy = False
         self._closed = False
         self._leftover: list[Any] = []  # commands cut off by cancellation
+        # an executor's own way to order a Wait on the device (see the module doc), if any
+        self._device_wait: Callable[[Any, int], bool] | None = getattr(engine, "device_wait", None)
         self.direct = 0  # batches that went straight to the engine (or ran inline)
         self._table: dict[type, Callable[[Any], Awaitable[None]]] = {Batch: self._batch}
 
@@ -246,6 +252,12 @@ class QueueActor:
             target: int = command.value  # type: ignore[assignment]  # resolved at submit
             if sig.value >= target or self.device._error is not None:
                 continue
+            if self._device_wait is not None and _engine.trace_hook is None:
+                if run:
+                    self.engine.put(run)
+                    run = []
+                if self._device_wait(sig, target):
+                    continue
             if run:
                 self.engine.put(run)
                 run = []

@@ -109,7 +109,12 @@ class Engine:
         self.timeline: Any = None  # the owning device's timeline (set by the device)
         self._dead = False
         self._on_fault = on_fault
-        self.exited = Signal(name=f"{name} engine exit")
+        try:
+            self.exited = Signal(name=f"{name} engine exit")
+        except BaseException:  # (no fd left, say): the bell is ours to close
+            self._bell_closed = True
+            os.close(self._bell)
+            raise
         self._thread = threading.Thread(target=self._main, name=f"hcqa {name}", daemon=True)
 
     def start(self) -> None:

@@ -90,7 +90,11 @@ class LaneEngine(Engine):
         self._lib = lib
         lane = lib.lane_new()
         if not lane:
-            raise MemoryError(f"{name}: no memory for a native lane")
+            self.join(0)  # (never started: closes the bell)
+            self.exited.close()
+            raise OSError(
+                f"{name}: could not make a native lane (no memory or no file descriptor left)"
+            )
         self._lane = lane
         self._done = ctypes.c_uint64.from_address(lib.lane_done_addr(lane))
         self._tail = ctypes.c_uint64.from_address(lib.lane_tail_addr(lane))

@@ -12,8 +12,6 @@ is given or ``HCQA_DEBUG=1`` is set, which print the traceback above that line; 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import os
 import platform
 import re
@@ -21,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from typing import Any
 
 from hcqa.cli._base import (
     _TRACEBACK_HELP,
@@ -34,6 +31,7 @@ from hcqa.cli._base import (
     _version,
     run_trio,
 )
+from hcqa.cli._cuda import cuda_rows
 from hcqa.cli._opencl import opencl_rows
 from hcqa.cli.serve import configure_serve, run_serve
 from hcqa.errors import install_hint
@@ -75,26 +73,6 @@ def _compiler() -> str:
     return f"{exe} ({version})"
 
 
-def _cuda() -> str:
-    """Whether a CUDA device is usable: hcqa's cuda device, the bindings, the driver."""
-    if importlib.util.find_spec("hcqa.devices.cuda") is None:
-        return "not available (this hcqa has no CUDA device yet: cpu:N and opencl:N)"
-    try:
-        driver: Any = importlib.import_module("cuda.bindings.driver")
-    except ImportError:
-        return "not installed (NVIDIA's cuda-bindings)"
-    try:
-        (err,) = driver.cuInit(0)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return f"bindings installed, but cuInit failed: {err!r}"
-        err, count = driver.cuDeviceGetCount()
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return f"bindings installed, but cuDeviceGetCount failed: {err!r}"
-    except Exception as exc:
-        return f"bindings installed, but the driver did not answer: {exc}"
-    return f"usable, {count} device(s)"
-
-
 # ---------------------------------------------------------------------------------------------
 # subcommands
 
@@ -113,8 +91,11 @@ def _run_info(args: argparse.Namespace) -> int:
         ("numpy", _version("numpy")),
         ("platform", platform.platform()),
         ("cc", _compiler()),
-        ("devices", f"cpu:N (any N; {os.cpu_count() or 1} cores), opencl:N (listed below)"),
-        ("cuda", _cuda()),
+        (
+            "devices",
+            f"cpu:N (any N; {os.cpu_count() or 1} cores), cuda:N and opencl:N (listed below)",
+        ),
+        *cuda_rows(),
         *opencl_rows(),
     ]
     width = max(len(name) for name, _ in rows)
@@ -285,6 +266,8 @@ SPARSE = 0.05  # below this busy share of the plotted time, the plot says how to
 
 def _share(x: float) -> str:
     return f"{100 * x:.1f}%" if x >= 0.001 else "under 0.1%"
+
+
 _PERFETTO = (
     "to zoom, pan and inspect every event: open {file} at https://ui.perfetto.dev ('Open trace "
     "file'; it is read in your browser, not uploaded)"

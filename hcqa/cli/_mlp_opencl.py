@@ -80,9 +80,12 @@ async def _programs(device: hcqa.Device, layers: range) -> dict[int, hcqa.Progra
 
 
 async def _stages(
-    progs: dict[int, hcqa.Program], params: Sequence[hcqa.Buffer], layers: range, spec: MlpSpec
+    device: hcqa.Device,
+    progs: dict[int, hcqa.Program],
+    params: Sequence[hcqa.Buffer],
+    layers: range,
+    spec: MlpSpec,
 ) -> list[hcqa.Stage]:
-    device = progs[layers[0]].device
     groups = (spec.hidden // TILE, spec.batch_size // TILE, 1)
     return [
         hcqa.Stage(
@@ -110,10 +113,10 @@ async def build_pipelines(
     on_d0 = await _programs(d0, range(spec.layers))
     on_d1 = await _programs(d1, range(half, spec.layers))
     split = [
-        *await _stages(on_d0, first, range(half), spec),
-        *await _stages(on_d1, second, range(half, spec.layers), spec),
+        *await _stages(d0, on_d0, first, range(half), spec),
+        *await _stages(d1, on_d1, second, range(half, spec.layers), spec),
     ]
-    whole = await _stages(on_d0, first + rest_on_d0, range(spec.layers), spec)
+    whole = await _stages(d0, on_d0, first + rest_on_d0, range(spec.layers), spec)
     shape = (spec.batch_size, spec.hidden)
     return (
         hcqa.Pipeline(split, in_shape=shape, depth=depth),

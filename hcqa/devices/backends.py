@@ -99,11 +99,9 @@ def device_class(kind: str, name: str) -> type[Device]:
 register("cpu", "hcqa.devices.cpu:CpuDevice", missing="the cpu backend failed to import")
 register(
     "cuda",
-    "hcqa.devices.cuda:CudaDevice",
-    missing=(
-        "this hcqa has no CUDA device yet (cpu:N and opencl:N); one is planned on NVIDIA's "
-        "cuda-bindings"
-    ),
+    "hcqa.devices.cuda.device:CudaDevice",
+    missing=f"the CUDA backend needs NVIDIA's cuda-bindings: {install_hint('cuda')}",
+    shared=True,
 )
 register(
     "opencl",

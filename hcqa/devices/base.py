@@ -57,13 +57,15 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
-from hcqa.devices.buffer import Buffer, check_size, hazard_waits, typed_size
+from hcqa.devices.buffer import Buffer, hazard_waits
+from hcqa.devices.builder import QueueBuilder
 from hcqa.devices.capture import capturing as _capturing
 from hcqa.devices.faults import Faults
 from hcqa.devices.hostcopies import HostCopies
 from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
 from hcqa.devices.program import Program, check_flags
+from hcqa.devices.sizes import check_size, typed_size
 from hcqa.devices.timeline import Timeline
 from hcqa.devices.timing import TimedSpan
 from hcqa.errors import (
@@ -74,7 +76,7 @@ from hcqa.errors import (
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
-    from hcqa.queue import Queue
+    from hcqa.devices.fusion import FusedRun
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -105,11 +107,12 @@ class Device(Faults, HostCopies, Lifetime):
 
     kind: ClassVar[str] = "?"
     # True where running a C kernel is exactly calling it on the host: engines then call an
-    # Exec's ready native call directly, and graphs may fuse runs of C kernels.
+    # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
-    # hcqa`` imports it): the device core sits below the builder and never imports it.
-    _queue_class: ClassVar[Callable[[Device, str], Queue]]
+    # hcqa`` imports it): the device core sits below the builder and names it only through
+    # the QueueBuilder protocol (``builder.py``).
+    _queue_class: ClassVar[Callable[[Device, str], QueueBuilder]]
     # True where a buffer's ``va_addr`` is host memory any thread may read and write (cpu);
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
@@ -135,8 +138,17 @@ class Device(Faults, HostCopies, Lifetime):
         self.hang_limit = hang_limit
         self.host_visible = host_visible
         self.inline_kernels = inline_kernels  # opt-in: short repeat kernel calls run inline
+        try:
+            self._build(memory, timeline_start, queue_depth)
+        except BaseException:  # (no fd left, say): nothing it made waits for the GC
+            self._abandon_build()
+            raise
+
+    def _build(self, memory: int, timeline_start: int, queue_depth: int) -> None:
         self.allocator = self._make_allocator(memory)
-        self._timeline = Timeline(name, hang_limit=hang_limit, owner=self, start=timeline_start)
+        self._timeline = Timeline(
+            self.name, hang_limit=self.hang_limit, owner=self, start=timeline_start
+        )
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._closed = False
@@ -144,11 +156,32 @@ class Device(Faults, HostCopies, Lifetime):
         self._hung = False
         self._still_read = False
         self._shared: weakref.WeakSet[HostMemory] = weakref.WeakSet()  # memfd-backed memory
-        self.compute = QueueActor(self, "compute", self._executor("compute"), capacity=queue_depth)
-        self.copy = QueueActor(self, "copy", self._executor("copy"), capacity=queue_depth)
+        self._made: list[Any] = []  # executors, then signals: closed if the rest fails
+        for kind in ("compute", "copy"):
+            executor = self._executor(kind)
+            self._made.append(executor)
+            actor = QueueActor(self, kind, executor, capacity=queue_depth)
+            self._made.append(actor.signal)
+            setattr(self, kind, actor)
+        del self._made
         self._queues = {"compute": self.compute, "copy": self.copy}
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
+
+    def _abandon_build(self) -> None:
+        """Close what a construction that failed part-way made: executors (never
+        started), queue signals, the timeline, the memory."""
+        made = vars(self)
+        for thing in made.get("_made", ()):
+            if isinstance(thing, Signal):
+                thing.close()
+            else:
+                thing.join(0)
+                thing.exited.close()
+        if "_timeline" in made:
+            self._timeline.close()
+        if "allocator" in made:
+            self.allocator.close()
 
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
@@ -186,6 +219,21 @@ class Device(Faults, HostCopies, Lifetime):
         inline on the caller's thread (see ``actor.py``): only what surely takes a few
         tens of microseconds. None by default."""
         return False
+
+    # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
+        submitted again then send each run of such launches as one command, made by
+        :meth:`_fuse`. None by default."""
+        return False
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
+        """One command that runs every launch of ``run`` (two or more, each
+        :meth:`_fusable`, in a row on one queue), in order: a
+        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
+        made at a queue's submit, on the caller's task (compile nothing)."""
+        raise NotImplementedError
 
     # -- public surface --------------------------------------------------------------------
 
@@ -343,12 +391,13 @@ class Device(Faults, HostCopies, Lifetime):
             "flags": check_flags(flags),
         }
 
-    def compute_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's compute queue (``exec`` etc.)."""
+    def compute_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's compute queue (``exec`` etc.;
+        typed by its verbs, the ``QueueBuilder`` protocol: the core sits below the builder)."""
         return Device._queue_class(self, "compute")
 
-    def copy_queue(self) -> Queue:
-        """An empty HCQ-style queue for this device's copy queue (``copy`` etc.)."""
+    def copy_queue(self) -> QueueBuilder:
+        """An empty :class:`hcqa.Queue` for this device's copy queue (``copy`` etc.)."""
         return Device._queue_class(self, "copy")
 
     def timed(self, *, queue: str = "compute") -> TimedSpan:

@@ -23,89 +23,91 @@ host array is referenced by the queued command until the copy is done.
 
 from __future__ import annotations
 
-import ctypes
-import math
 import os
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from hcqa import commands as cmd
+from hcqa.devices.sizes import (
+    _typed,
+    check_size,
+)
 from hcqa.errors import DeviceClosed, InvalidCommand
-from hcqa.signals import Fence
+from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
     from hcqa.actors.actor import QueueActor
-    from hcqa.devices.base import Device
-    from hcqa.devices.memory import HostMemory
+    from hcqa.devices.memory import CachingAllocator, HostMemory
 
-__all__ = [
-    "Buffer",
-    "Hazards",
-    "check_int",
-    "check_plain_dtype",
-    "check_size",
-    "hazard_waits",
-    "host_ref",
-    "typed_size",
-]
+__all__ = ["Buffer", "DeviceRef", "Hazards", "hazard_waits"]
 
 
-def check_size(name: str, value: object, *, minimum: int = 0) -> int:
-    """``value`` as an int >= minimum, with the house error messages."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidCommand(f"{name!r} must be an int (got {type(value).__name__})")
-    if value < minimum:
-        raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
-    return int(value)
+class DeviceRef(Protocol):
+    """A :class:`~hcqa.devices.Device` as the modules below it see it: what a buffer, a
+    program (``program.py``) and a timed span (``timing.py``) use of their device, and
+    the public surface a caller reaches through ``buf.device``. ``Device`` sits above
+    these modules (it makes buffers and programs), so they name it through this protocol;
+    a ``Device`` is one."""
 
+    name: str
+    kind: ClassVar[str]
+    host_visible: bool
+    hang_limit: float
+    shares_native: ClassVar[bool]
+    host_memory: ClassVar[bool]
+    allocator: CachingAllocator
+    compute: QueueActor
+    copy: QueueActor
+    _queues: dict[str, QueueActor]
+    _closed: bool
+    _closing: bool
 
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """``value``, a plain int >= minimum (no bools, no numpy ints), with the house error
-    messages: for counts and settings, where :func:`check_size` takes sizes."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidCommand(f"{name!r} must be an int (got {type(value).__name__})")
-    if value < minimum:
-        raise InvalidCommand(f"{name!r} must be >= {minimum} (got {value})")
-    return value
+    @property
+    def closed(self) -> bool: ...
 
+    @property
+    def faulted(self) -> BaseException | None: ...
 
-def check_plain_dtype(what: str, dt: np.dtype[Any]) -> None:
-    """Refuse dtypes whose bytes are not plain data: Python objects (alone or inside a
-    structured dtype) would hand raw pointers to engines and kernels."""
-    if dt.hasobject:
-        raise InvalidCommand(f"{what} must be a plain, non-object dtype (got {dt})")
-    if dt.itemsize == 0:
-        raise InvalidCommand(f"{what} must be a fixed-size dtype (got {dt}, of 0 bytes)")
+    @property
+    def timeline(self) -> Signal: ...
 
+    def alloc(
+        self,
+        nbytes: int | None = None,
+        *,
+        shape: Sequence[int] | int | None = None,
+        dtype: npt.DTypeLike | None = None,
+        shared: bool = False,
+    ) -> Buffer: ...
 
-def check_sample(
-    what: str, x: object, shape: tuple[int, ...], dtype: np.dtype[Any]
-) -> npt.NDArray[Any]:
-    """``x`` as an array, if it is ``dtype`` of ``shape``; else an ``InvalidCommand`` that says
-    what was expected, what was seen, and how to convert it (a Python list of floats becomes
-    float64, of ints int64: ``np.asarray(x, dtype=...)`` makes the dtype expected)."""
-    arr = np.asarray(x)
-    if arr.shape == shape and arr.dtype == dtype:
-        return arr
-    got = f"{arr.dtype}{list(arr.shape)}"
-    if isinstance(x, (list, tuple)):
-        got += f" from a Python {type(x).__name__}"
-    message = f"{what} must be {dtype}{list(shape)} (got {got})"
-    if arr.dtype != dtype:
-        message += f"; convert it with np.asarray(x, dtype={dtype_expr(dtype)})"
-    raise InvalidCommand(message)
+    async def synchronize(self) -> None: ...
 
+    def clock_offset_ns(self) -> int: ...
 
-def dtype_expr(dtype: np.dtype[Any]) -> str:
-    """How to write ``dtype`` in Python: ``np.float32``, or its string where numpy has no name."""
-    named = getattr(np, dtype.name, None)
-    if named is dtype.type and np.dtype(named) == dtype:
-        return f"np.{dtype.name}"
-    return repr(str(dtype))
+    def _check_usable(self) -> None: ...
+
+    def _submit(
+        self,
+        actor: QueueActor,
+        commands: list[Any],
+        *,
+        reads: Iterable[Buffer] = (),
+        writes: Iterable[Buffer] = (),
+        also: Sequence[Any] = (),
+        waits: bool | None = None,
+    ) -> Fence: ...
+
+    def _copyin(self, buf: Buffer, src: Any) -> Fence: ...
+
+    def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence: ...
+
+    def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence: ...
+
+    def _copyout_queue(self, on_compute: bool) -> QueueActor: ...
 
 
 class Hazards:
@@ -155,7 +157,7 @@ def _after(need: dict[QueueActor, int], q: QueueActor, v: int) -> None:
         need[q] = v
 
 
-def _free(device: Device, mem: HostMemory, lent: set[int]) -> None:
+def _free(device: DeviceRef, mem: HostMemory, lent: set[int]) -> None:
     if mem.fd is not None:  # shared memory: not the allocator's
         mem.close()
         if mem.charged:
@@ -174,7 +176,7 @@ class Buffer:
 
     def __init__(
         self,
-        device: Device,
+        device: DeviceRef,
         mem: HostMemory,
         nbytes: int,
         *,
@@ -330,146 +332,3 @@ class Buffer:
         typed = f" {self.dtype}{list(self.shape or ())}" if self.dtype is not None else ""
         view = f" view+{self.offset}" if self.base is not None else ""
         return f"<Buffer {self.device.name} {self.nbytes} bytes{typed}{view}>"
-
-
-def check_shape(shape: object, what: str = "'shape'") -> tuple[int, ...]:
-    """``shape`` as a tuple: an int, or a sequence (tuple, list, 1-d array) of ints, each
-    > 0 (numpy integers too; never a bool or a str). Every shape hcqa takes follows this
-    rule (``alloc``, ``view``, a pipeline's ``in_shape`` and ``out_shape``, a batcher's
-    ``sample_shape``)."""
-    if isinstance(shape, int | np.integer) and not isinstance(shape, bool):
-        dims: tuple[Any, ...] = (shape,)
-    elif isinstance(shape, Sequence) and not isinstance(shape, str | bytes):
-        dims = tuple(shape)
-    elif isinstance(shape, np.ndarray) and shape.ndim == 1:
-        dims = tuple(shape.tolist())
-    else:
-        dims = (None,)
-    if not all(isinstance(d, int | np.integer) and not isinstance(d, bool) and d > 0 for d in dims):
-        raise InvalidCommand(
-            f"{what} must be an int or a sequence of positive ints (got {shape!r})"
-        )
-    return tuple(int(d) for d in dims)
-
-
-def _typed(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: Sequence[int] | int | None
-) -> tuple[np.dtype[Any] | None, tuple[int, ...] | None]:
-    """Check ``dtype`` / ``shape`` against ``nbytes``; the dtype and shape to keep."""
-    if dtype is None:
-        if shape is not None:
-            raise InvalidCommand("'shape' needs a 'dtype' (got shape without dtype)")
-        return None, None
-    try:
-        dt = np.dtype(dtype)
-    except (TypeError, ValueError) as exc:
-        raise InvalidCommand(f"'dtype' must be a numpy dtype (got {dtype!r})") from exc
-    check_plain_dtype("'dtype'", dt)
-    if shape is None:
-        if nbytes is None or nbytes % dt.itemsize:
-            raise InvalidCommand(
-                f"'nbytes' must be a multiple of {dt} itemsize {dt.itemsize} (got {nbytes})"
-            )
-        return dt, (nbytes // dt.itemsize,)
-    shape = check_shape(shape)
-    need = math.prod(shape) * dt.itemsize
-    if nbytes is not None and nbytes != need:
-        raise InvalidCommand(
-            f"'nbytes' must equal shape {shape} x {dt} = {need} bytes (got {nbytes})"
-        )
-    return dt, shape
-
-
-def typed_size(
-    nbytes: int | None, dtype: npt.DTypeLike | None, shape: Sequence[int] | int | None
-) -> tuple[int, np.dtype[Any] | None, tuple[int, ...] | None]:
-    """Resolve ``alloc``'s arguments into (nbytes, dtype, shape)."""
-    if nbytes is not None:
-        nbytes = check_size("nbytes", nbytes, minimum=1)
-    dt, shp = _typed(nbytes, dtype, shape)
-    if nbytes is None:
-        if dt is None or shp is None:
-            raise InvalidCommand("alloc() needs 'nbytes' or 'shape' and 'dtype' (got neither)")
-        nbytes = math.prod(shp) * dt.itemsize
-    return nbytes, dt, shp
-
-
-def _data_pointer_offset() -> int | None:
-    """Where a numpy array object keeps its data pointer: numpy's array struct starts with
-    it, right after the object header. Checked against numpy's own answer on arrays that
-    own their memory, view another's and borrow a bytes object's; None (so the slower
-    public way is taken) if any differs."""
-    at = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)  # refcount, type
-    samples = (np.zeros(3), np.arange(8, dtype=np.uint8)[3:], np.frombuffer(b"hcqa", np.uint8))
-    for a in samples:
-        if ctypes.c_void_p.from_address(id(a) + at).value != a.__array_interface__["data"][0]:
-            return None
-    return at
-
-
-_DATA_AT = _data_pointer_offset()
-_pointer_at = ctypes.c_void_p.from_address
-
-
-def array_address(arr: npt.NDArray[Any]) -> int:
-    """The address of ``arr``'s first byte. A copy's hot path: read straight from the array
-    object (0.15 us) rather than through ``__array_interface__``, which builds a dict each
-    time (1.7 us)."""
-    if _DATA_AT is not None and type(arr) is np.ndarray:
-        return _pointer_at(id(arr) + _DATA_AT).value or 0
-    return int(arr.__array_interface__["data"][0])
-
-
-_host_memory_ref = cmd.maker(cmd.HostMemoryRef)  # (va_addr, nbytes, keep)
-
-
-def host_ref(obj: Any, buf: Buffer, *, writable: bool) -> cmd.HostMemoryRef:
-    """Check a host array for copyin (writable=False) / copyout (writable=True)."""
-    what = "copyout" if writable else "copyin"
-    if isinstance(obj, np.ndarray):
-        arr = obj
-        check_plain_dtype(f"{what}: the host array's dtype", arr.dtype)
-        if buf.dtype is not None and arr.dtype != buf.dtype:
-            how = (
-                f"np.empty({buf.shape}, dtype={dtype_expr(buf.dtype)})"
-                if writable
-                else f"np.asarray(x, dtype={dtype_expr(buf.dtype)})"
-            )
-            raise InvalidCommand(f"{what}: dtype must be {buf.dtype} (got {arr.dtype}); pass {how}")
-        if writable:
-            if not arr.flags.c_contiguous or not arr.flags.writeable:
-                raise InvalidCommand(
-                    f"{what}: the array must be writable and C-contiguous "
-                    f"(got contiguous={arr.flags.c_contiguous}, writable={arr.flags.writeable})"
-                )
-        elif not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-    elif isinstance(obj, (bytes, bytearray, memoryview)):
-        if writable and (isinstance(obj, bytes) or (isinstance(obj, memoryview) and obj.readonly)):
-            raise InvalidCommand(
-                f"{what}: the destination must be writable (got {type(obj).__name__})"
-            )
-        if isinstance(obj, memoryview) and ("O" in obj.format or not obj.c_contiguous):
-            raise InvalidCommand(
-                f"{what}: a memoryview must be C-contiguous plain data "
-                f"(got format {obj.format!r}, contiguous={obj.c_contiguous})"
-            )
-        try:
-            arr = np.frombuffer(obj, dtype=np.uint8)
-        except (ValueError, BufferError, TypeError) as exc:
-            raise InvalidCommand(f"{what}: need a contiguous buffer (got {exc})") from exc
-    else:
-        raise InvalidCommand(
-            f"{what} needs a numpy array, bytes, bytearray or memoryview (got {type(obj).__name__})"
-        )
-    if arr.nbytes != buf.nbytes:
-        raise InvalidCommand(
-            f"{what}: host data must be {buf.nbytes} bytes, the buffer's size "
-            f"(got {arr.nbytes}; use buf.view() for part of a buffer)"
-        )
-    if isinstance(obj, np.ndarray) and buf.shape is not None and obj.shape != buf.shape:
-        raise InvalidCommand(
-            f"{what}: shape must be {buf.shape}, the buffer's (got {obj.shape}; "
-            "reshape the array to match)"
-        )
-    return _host_memory_ref(array_address(arr), arr.nbytes, (obj, arr))

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hcqa import commands as cmd
-from hcqa.devices.buffer import Buffer, check_size, host_ref
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.hostarrays import host_ref
+from hcqa.devices.sizes import check_size
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Fence
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from hcqa import commands as cmd
-from hcqa.devices.buffer import Buffer
+from hcqa.devices.buffer import Buffer, DeviceRef
 from hcqa.devices.capture import current_capture
 from hcqa.devices.launch import _Launch
 from hcqa.errors import InvalidCommand
@@ -49,7 +49,6 @@ from hcqa.variables import Expr, IntLike, Variable
 
 if TYPE_CHECKING:
     from hcqa._native.compiler import CKernel
-    from hcqa.devices.base import Device
 
 __all__ = ["Program", "check_flags", "check_return"]
 
@@ -170,7 +169,7 @@ class Program:
 
     def __init__(
         self,
-        device: Device,
+        device: DeviceRef,
         name: str,
         *,
         fn: Callable[..., Any] | None = None,

@@ -56,7 +56,15 @@ class Timeline:
 
     def __init__(self, name: str, *, hang_limit: float, owner: Any, start: int = 0) -> None:
         self.name = name
-        self.signals = (Signal(name=f"{name} timeline"), Signal(name=f"{name} timeline shadow"))
+        made: list[Signal] = []
+        try:
+            for what in ("timeline", "timeline shadow", "foreign steps"):
+                made.append(Signal(name=f"{name} {what}"))
+        except BaseException:  # (no fd left, say): none of them waits for the GC
+            for s in made:
+                s.close()
+            raise
+        self.signals = (made[0], made[1])
         self.reserved = start
         self.done = start
         self._pending: set[int] = set()
@@ -68,7 +76,7 @@ class Timeline:
         # device may only release its memory once all of them are done.
         self._foreign: set[int] = set()
         self.foreign_reserved = 0
-        self.foreign_done = Signal(name=f"{name} foreign steps")
+        self.foreign_done = made[2]
         for s in (*self.signals, self.foreign_done):
             s._guarded = False  # closed by the device only once every writer is done
             # Written only through _set_from_engine / ``value``, which write the eventfd

@@ -35,7 +35,7 @@ from hcqa.errors import InvalidCommand
 from hcqa.signals import Signal
 
 if TYPE_CHECKING:
-    from hcqa.devices.base import Device
+    from hcqa.devices.buffer import DeviceRef
 
 __all__ = ["TimedSpan"]
 
@@ -43,7 +43,7 @@ __all__ = ["TimedSpan"]
 class TimedSpan:
     """``async with device.timed() as span: ...`` then ``span.seconds``."""
 
-    def __init__(self, device: Device, queue: str) -> None:
+    def __init__(self, device: DeviceRef, queue: str) -> None:
         if queue not in ("compute", "copy"):
             raise InvalidCommand(f"'queue' must be 'compute' or 'copy' (got {queue!r})")
         self.device = device

@@ -3,13 +3,15 @@
 Theory of operation
 -------------------
 Two trio tasks per connection: a *reader* that reads the socket for the connection's
-whole life into a buffer (one read waiting per connection, instead of a fresh wait per
-request and per disconnect watch; it pauses at 1 MiB until a request asks for more), and
-the request loop, which gathers the head (request line and headers, at most 64 KiB) from
-the buffer, checks it (:mod:`hcqa.serve.http_head`: a malformed head is answered ``400``
-and the connection closes), builds the ASGI scope and awaits the app with the request's
-``receive`` and ``send`` (:mod:`hcqa.serve.http_exchange`: the body in from the buffer,
-the response out, in one ``send_all`` when it is complete in one message).
+whole life and hands the bytes to the connection's parser (:mod:`hcqa.serve.http_head`:
+llhttp, with hcqa's checks and limits on top), which queues the requests and their body
+pieces (one read waiting per connection, instead of a fresh wait per request and per
+disconnect watch; it pauses at 1 MiB queued until a request asks for more), and the
+request loop, which takes the next request's head from the queue (a malformed one is
+answered ``400``, ``431`` or ``505`` and the connection closes), builds the ASGI scope and
+awaits the app with the request's ``receive`` and ``send``
+(:mod:`hcqa.serve.http_exchange`: the body in from the queue, the response out, in one
+``send_all`` when it is complete in one message).
 
 Keep-alive: HTTP/1.1 keeps the connection unless a side says ``Connection: close``;
 HTTP/1.0 closes unless the client asks to keep it. An idle connection waits
@@ -26,12 +28,13 @@ which would leave a client unsure whether its POST ran. Once nothing is in fligh
 whatever is left is cancelled and :func:`serve_http` returns.
 
 An exception from the app before its response started is answered ``500`` (and logged);
-after, the connection just closes. A client that leaves makes ``send`` a no-op and
+after, the connection just closes. Any other exception met while serving a connection (a
+bug) ends that connection, logged, never the server. A client that leaves makes ``send`` a no-op and
 ``receive`` say ``http.disconnect``.
 
 Where each part lives: this module holds the server (:func:`serve_http`, draining) and the
 connection (its reader, the request loop, the ASGI scope); :mod:`hcqa.serve.http_head`
-parses and checks the request head; :mod:`hcqa.serve.http_exchange` is one request's
+parses and checks the requests; :mod:`hcqa.serve.http_exchange` is one request's
 ``receive`` (the body, then the disconnect) and ``send`` (the response's framing).
 """
 
@@ -47,20 +50,12 @@ from typing import Any
 import trio
 
 from hcqa.serve.http_exchange import _Exchange
-from hcqa.serve.http_head import (
-    _GONE,
-    _MAX_HEAD,
-    _PHRASES,
-    _BadRequest,
-    _check_partial_head,
-    _date,
-    _Request,
-)
+from hcqa.serve.http_head import _GONE, _PHRASES, _BadRequest, _date, _Parser, _Request
 
 __all__ = ["DISCONNECT", "serve_http"]
 
 _log = logging.getLogger("hcqa.serve.http")
-_MAX_BUFFER = 1 << 20  # the reader stops here until the request asks for more
+_MAX_BUFFER = 1 << 20  # queued bytes: the reader stops here until the request asks for more
 #: ASGI scope extension: ``scope["extensions"][DISCONNECT](callback)`` calls ``callback()``
 #: when the client leaves before its response is complete (see ``_Exchange.on_disconnect``)
 DISCONNECT = "hcqa.disconnect"
@@ -115,7 +110,7 @@ class _Connection:
         self.stream = stream
         self.client = (str(client[0]), int(client[1]))
         self.addr = (str(addr[0]), int(addr[1]))
-        self.buf = bytearray()
+        self.parser = _Parser()
         self.exchange: _Exchange | None = None  # the request being answered
         self.eof = False  # the client closed its side (or the connection broke)
         self._news = trio.Event()  # set (and replaced) when data or EOF arrives
@@ -126,14 +121,19 @@ class _Connection:
         """Read the socket for the whole connection: one read waiting at a time, and EOF
         seen while a request runs."""
         try:
+            parser = self.parser
             while True:
-                if len(self.buf) >= _MAX_BUFFER:  # nobody asked for more: wait until they do
+                if parser.backlog >= _MAX_BUFFER:  # nobody asked for more: wait until they do
                     self._room = trio.Event()
                     await self._room.wait()
                 data = await self.stream.receive_some(_READ)
                 if not data:
                     return
-                self.buf += data
+                try:
+                    parser.feed(data)  # after a malformed request: read (for EOF) and drop
+                except Exception:  # a bug: this connection's 500, not the server's end
+                    _log.exception("parsing a request failed")
+                    parser.fail(_BadRequest(500, "Internal Server Error"))
                 self._notify()
         except _GONE:
             return
@@ -169,11 +169,12 @@ class _Connection:
     async def _requests(self) -> None:
         srv = self.srv
         while True:
-            if not self.buf:  # wait for the next request's first byte
+            parser = self.parser
+            if not parser.started():  # wait for the next request's first byte
                 with trio.move_on_after(srv.keep_alive_timeout):
-                    while not self.buf and not self.eof:
+                    while not parser.started() and not self.eof:
                         await self._fill()
-            if not self.buf:
+            if not parser.started():
                 return  # idle timeout or EOF
             late = srv.draining  # this request began after the drain did
             srv.busy += 1
@@ -187,29 +188,28 @@ class _Connection:
             if not keep:
                 return
 
-    async def _head(self) -> bytes | None:
+    async def _head(self) -> _Request | None:
+        """The next request's head, or None when the client left first."""
+        events = self.parser.events
         with trio.move_on_after(self.srv.head_timeout):
-            while True:
-                end = self.buf.find(b"\r\n\r\n", 0, _MAX_HEAD + 4)
-                if end >= 0:
-                    head = bytes(self.buf[:end])
-                    del self.buf[: end + 4]
-                    return head
-                if len(self.buf) > _MAX_HEAD:
-                    raise _BadRequest(431, "request head larger than 64 KiB")
-                _check_partial_head(self.buf)
+            while not events:
                 if self.eof:
                     return None
                 await self._fill()
+            event = events.popleft()
+            if isinstance(event, _BadRequest):
+                raise event
+            assert isinstance(event, _Request), event  # bodies are taken by their exchange
+            self.parser.backlog -= event.size
+            return event
         raise _BadRequest(408, "request head not received in time")
 
     async def _request(self, late: bool) -> bool:
         t0 = time.perf_counter()
         try:
-            head = await self._head()
-            if head is None:
+            req = await self._head()
+            if req is None:
                 return False
-            req = _Request.parse(head)
         except _BadRequest as exc:
             await self._plain(exc.status, str(exc))
             return False

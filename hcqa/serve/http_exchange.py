@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-The app's ``receive`` hands out the body from the connection's buffer (``Content-Length``
-or chunked); once the body is read, a ``receive`` waits for the reader to see EOF and says
-``http.disconnect`` -- bytes that arrive meanwhile are the next pipelined request and stay
-in the buffer. A malformed chunked body is answered ``400`` by the host, not the app (to
-the app the client is gone).
+The app's ``receive`` hands out the body as the connection's parser queued it (pieces of a
+``Content-Length`` or chunked body, :mod:`hcqa.serve.http_head`), all the pieces queued at
+once in one message; once the body is read, a ``receive`` waits for the reader to see EOF
+and says ``http.disconnect`` -- requests that arrive meanwhile are pipelined and stay queued
+for their turn. A malformed chunked body is answered ``400`` by the host, not the app (to the
+app the client is gone). ``100 Continue`` goes to an HTTP/1.1 client that asked for it, when
+the app first asks for a body that has not begun to arrive.
 
 The app's ``send`` collects the response head; the head and a body that is complete in one
 message (what Starlette's ``Response`` sends) leave in one ``send_all`` -- one syscall per
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 
 import trio
 
-from hcqa.serve.http_head import _GONE, _MAX_HEAD, _PHRASES, _BadRequest, _date, _Request
+from hcqa.serve.http_head import _GONE, _PHRASES, END, _BadRequest, _date, _Parser, _Request
 
 
 class _Host(Protocol):
@@ -53,7 +55,7 @@ class _Conn(Protocol):
     @property
     def client(self) -> tuple[str, int]: ...
     @property
-    def buf(self) -> bytearray: ...
+    def parser(self) -> _Parser: ...
     @property
     def eof(self) -> bool: ...
     async def _changed(self) -> None: ...
@@ -68,7 +70,10 @@ class _Exchange:
         self.conn = conn
         self.req = req
         self.keep = req.keep
-        self.body_done = not req.chunked and req.body_left == 0
+        events = conn.parser.events
+        self.body_done = bool(events) and events[0] is END  # no body: its end is queued already
+        if self.body_done:
+            events.popleft()
         self.started = False
         self.done = False
         self.status = 0
@@ -114,69 +119,37 @@ class _Exchange:
             return {"type": "http.request", "body": chunk, "more_body": not self.body_done}
         conn = self.conn
         while not (self.done or self.gone or conn.eof):
-            await conn._changed()  # pipelined bytes wait in the buffer for their turn
+            await conn._changed()  # pipelined requests wait queued for their turn
         return {"type": "http.disconnect"}
 
     async def _body_chunk(self) -> bytes:
         conn, req = self.conn, self.req
-        if req.continue_ and not self.started:
+        parser = conn.parser
+        events = parser.events
+        if req.continue_:
             req.continue_ = False
-            await conn.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if not req.chunked:
-            while not conn.buf:
-                if conn.eof:
-                    raise trio.BrokenResourceError("the client left mid-body")
-                await conn._fill()
-            n = min(req.body_left, len(conn.buf))
-            chunk = bytes(conn.buf[:n])
-            del conn.buf[:n]
-            req.body_left -= n
-            self.body_done = req.body_left == 0
-            return chunk
-        while True:  # chunked: a size line, the data, CRLF; size 0 ends it (trailers skipped)
-            if req.body_left > 0:
-                while len(conn.buf) < 1 and not conn.eof:
-                    await conn._fill()
-                n = min(req.body_left, len(conn.buf))
-                if n == 0:
-                    raise trio.BrokenResourceError("the client left mid-body")
-                chunk = bytes(conn.buf[:n])
-                del conn.buf[:n]
-                req.body_left -= n
-                return chunk
-            line = await self._line(skip_crlf=req.body_left == 0 and self._after_chunk)
-            size_text = line.split(b";")[0].strip(b" \t")
-            if not 0 < len(size_text) <= 16 or size_text.strip(b"0123456789abcdefABCDEF"):
-                raise _BadRequest(400, "malformed chunk size")  # int() takes -1, 0x1, 1_0
-            size = int(size_text, 16)
-            if size == 0:
-                while await self._line(skip_crlf=False):  # trailers up to an empty line
-                    pass
-                self.body_done = True
-                return b""
-            req.body_left = size
-            self._after_chunk = True
-
-    _after_chunk = False
-    asked = False
-    bad: _BadRequest | None = None
-
-    async def _line(self, *, skip_crlf: bool) -> bytes:
-        conn = self.conn
-        if skip_crlf:  # the CRLF that ends the previous chunk's data
-            while len(conn.buf) < 2:
-                if conn.eof:
-                    raise trio.BrokenResourceError("the client left mid-body")
-                await conn._fill()
-            del conn.buf[:2]
-            self._after_chunk = False
-        while (end := conn.buf.find(b"\r\n")) < 0:
-            if conn.eof or len(conn.buf) > _MAX_HEAD:
+            if not self.started and not events:  # no byte of the body has come yet
+                await conn.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while not events:
+            if conn.eof:
                 raise trio.BrokenResourceError("the client left mid-body")
             await conn._fill()
-        line = bytes(conn.buf[:end])
-        del conn.buf[: end + 2]
-        return line
+        pieces: list[bytes] = []
+        while events and isinstance(events[0], bytes):  # every piece queued, in one message
+            pieces.append(events.popleft())  # type: ignore[arg-type]
+        chunk = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        parser.backlog -= len(chunk)
+        if events and events[0] is END:
+            events.popleft()
+            self.body_done = True
+        elif events and not pieces:  # the body is malformed: the parser queued why
+            fault = events.popleft()
+            assert isinstance(fault, _BadRequest), fault
+            raise fault
+        return chunk
+
+    asked = False
+    bad: _BadRequest | None = None
 
     # -- send ------------------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import attrs
 from hcqa import commands as cmd
 from hcqa.actors.engine import Engine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import check_int
 from hcqa.devices.program import Program
+from hcqa.devices.sizes import check_int
 from hcqa.errors import InvalidCommand
 from hcqa.signals import Fence, Signal
 

@@ -22,26 +22,32 @@ run with the GIL released, and the per-kernel cost is an indirect C call.
 The argument table is a numpy ``int64`` array. Kernels whose arguments are all fixed
 are packed once. A kernel whose vals (or launch geometry, for ``geometry=True``
 kernels) hold Variables is fused too: its table entries are *symbolic* -- listed with
-the expression and the C range they must fit -- and a graph replay fills them into a
-fresh copy of the table (one numpy assignment per distinct expression, see
-``hcqa/_graph/patch.py``), so a symbolic run stays one native call. Buffer addresses are
-listed as well (``refs``), so a replay on other buffers rebinds them the same way.
+the expression and the C range they must fit -- and ``RunC.bound`` fills them into a
+fresh copy of the table (one numpy assignment per distinct expression), so a symbolic run
+stays one native call. Buffer addresses are listed as well (``refs``), so a replay on other
+buffers rebinds them the same way. ``RunC`` is the cpu backend's
+:class:`~hcqa.devices.fusion.FusedRun`: a graph replay or a queue's submit asks for it
+through that interface, and :class:`~hcqa.devices.cpu.CpuDevice` makes it
+(``_fusable``, ``_fuse``: the fusion seam).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from hcqa._native.compiler import CKernel, compile_c
-from hcqa.devices.buffer import Buffer, array_address
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.fusion import FusedRun
+from hcqa.devices.hostarrays import array_address
+from hcqa.errors import InvalidCommand
 
-__all__ = ["RunC", "build_runner", "fusable", "fuse_runs", "generic_entry", "trampoline", "wrap64"]
+__all__ = ["RunC", "build_runner", "entries", "generic_entry", "trampoline", "wrap64"]
 
 
 def _c_int_type(ctype: type) -> str:
@@ -61,12 +67,13 @@ def wrap64(v: int) -> int:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class RunC:
+class RunC(FusedRun):
     """A command: call ``entry(fns, args)`` once -- every fused kernel, in order.
 
     ``table`` is the argument table; ``syms`` lists its symbolic
     entries as (position, expression, lo, hi, what) and ``refs`` its buffer addresses as
-    (position, buffer): a replay fills the former and may rebind the latter."""
+    (position, buffer): ``bound`` fills the former into a copy of the table and may rebind
+    the latter (the :class:`~hcqa.devices.fusion.FusedRun` interface)."""
 
     entry: Any = attrs.field(repr=False)
     fns: Any = attrs.field(repr=False)
@@ -76,6 +83,12 @@ class RunC:
     refs: tuple[tuple[int, Any], ...] = attrs.field(default=(), repr=False)
     # per buffer: its positions in the table (for rebinding), shared by every copy
     refmap: dict[Any, Any] = attrs.field(default=None, repr=False)
+    # the distinct expressions of ``syms``, in order, and per expression: (its table
+    # positions, the range all of them fit, what they are), shared by every copy
+    symbols: tuple[Any, ...] = attrs.field(default=(), init=False, repr=False)
+    groups: tuple[tuple[Any, Any, int, int, str], ...] = attrs.field(
+        default=(), init=False, repr=False
+    )
     native: Any = attrs.field(default=None, init=False, repr=False)  # a native lane's record
 
     def __attrs_post_init__(self) -> None:
@@ -86,6 +99,43 @@ class RunC:
             # a single position as an int: numpy sets one item far faster than a fancy index
             refmap = {b: p[0] if len(p) == 1 else np.array(p, dtype=np.intp) for b, p in by.items()}
             object.__setattr__(self, "refmap", refmap)
+        grouped: dict[Any, tuple[list[int], int, int, str]] = {}
+        for pos, expr, lo, hi, what in self.syms:
+            if expr in grouped:
+                positions, glo, ghi, gwhat = grouped[expr]
+                positions.append(pos)
+                grouped[expr] = (positions, max(glo, lo), min(ghi, hi), gwhat)
+            else:
+                grouped[expr] = ([pos], lo, hi, what)
+        groups = tuple(
+            (expr, np.array(p, dtype=np.intp), lo, hi, what)
+            for expr, (p, lo, hi, what) in grouped.items()
+        )
+        object.__setattr__(self, "symbols", tuple(grouped))
+        object.__setattr__(self, "groups", groups)
+
+    def buffers(self) -> tuple[Buffer, ...]:
+        return tuple(b for _, b in self.refs)
+
+    def bound(
+        self, values: Mapping[Any, int] | None, rebind: Mapping[Buffer, Buffer] | None
+    ) -> RunC:
+        """A fresh copy of the table with one numpy assignment per distinct expression
+        (range-checked) and the rebound buffers' addresses."""
+        table = self.table.copy()
+        if values is not None:
+            for expr, positions, lo, hi, what in self.groups:
+                v = values[expr]
+                if not lo <= v <= hi:
+                    raise InvalidCommand(f"{what} must be in [{lo}, {hi}] (got {v} from {expr})")
+                table[positions] = wrap64(v)
+        if rebind:
+            refmap = self.refmap
+            for old, new in rebind.items():
+                positions = refmap.get(old)
+                if positions is not None:
+                    table[positions] = new.va_addr
+        return self.with_table(table)
 
     def with_table(self, table: Any) -> RunC:
         """The same run over another argument table (of the same layout). Built field by
@@ -100,6 +150,8 @@ class RunC:
         setattr_(new, "syms", self.syms)
         setattr_(new, "refs", self.refs)
         setattr_(new, "refmap", self.refmap)
+        setattr_(new, "symbols", self.symbols)
+        setattr_(new, "groups", self.groups)
         setattr_(new, "native", None)
         return new
 
@@ -228,7 +280,7 @@ def generic_entry() -> Any:
     return entry
 
 
-def _entries(e: Any) -> list[Entry] | None:
+def entries(e: Any) -> list[Entry] | None:
     """A C Exec's arguments as table entries, or None when it can't be fused (a symbolic
     size for a kernel that does not receive its geometry: that is checked per replay)."""
     prog = e.program
@@ -244,75 +296,3 @@ def _entries(e: Any) -> list[Entry] | None:
     elif not all(isinstance(v, int) for v in sizes):
         return None
     return out
-
-
-def fusable(e: Any) -> bool:
-    """Whether an Exec may join a native run: a C kernel on a device that allows it, and,
-    if it has variables, only where the table can carry them."""
-    prog = e.program
-    if prog.kernel is None or not getattr(prog.device, "native_runner", False):
-        return False
-    return e.args is not None or _entries(e) is not None
-
-
-def fuse_runs(
-    template: list[Any], patches: list[tuple[int, str, Any]], *, generic: bool = False
-) -> tuple[list[Any], list[tuple[int, str, Any]], int]:
-    """Replace runs of >= 2 fusable C Execs (see :func:`fusable`; the template holds them,
-    symbolic or not) by one :class:`RunC`; the new template, the patch slots moved to their
-    new positions, and how many runners were made. A runner with symbolic entries leaves a
-    ``"run"`` patch slot; a symbolic Exec left alone becomes a ``"command"`` slot.
-    ``generic``: runners that need no compile (see :func:`build_runner`)."""
-    from hcqa import commands as cmd
-
-    patched = {i for i, _, _ in patches}
-    out: list[Any] = []
-    extra: list[tuple[int, str, Any]] = []
-    remap: dict[int, int] = {}
-    run: list[Any] = []
-    made = 0
-
-    def flush() -> None:
-        nonlocal made
-        if len(run) >= 2:
-            calls = [(e.program.kernel, _entries(e)) for e in run]
-            names = [e.program.name for e in run]
-            runner = build_runner(calls, names, generic=generic)  # type: ignore[arg-type]
-            if runner.syms:
-                extra.append((len(out), "run", runner))
-                out.append(None)
-            else:
-                out.append(runner)
-            made += 1
-        else:
-            for e in run:
-                if e.args is None and not _static(e):
-                    extra.append((len(out), "command", e))
-                    out.append(None)
-                else:
-                    out.append(e)
-        run.clear()
-
-    for i, c in enumerate(template):
-        if i not in patched and isinstance(c, cmd.Exec):
-            if fusable(c):
-                run.append(c)
-                continue
-            if not _static(c):
-                flush()
-                extra.append((len(out), "command", c))
-                out.append(None)
-                continue
-        flush()
-        remap[i] = len(out)
-        out.append(c)
-    flush()
-    moved = [(remap[i], kind, data) for i, kind, data in patches]
-    return out, sorted(moved + extra, key=lambda p: p[0]), made
-
-
-def _static(e: Any) -> bool:
-    from hcqa.variables import Expr, Variable
-
-    sym = (Variable, Expr)
-    return not any(isinstance(v, sym) for v in (*e.vals, *e.global_size, *e.local_size))

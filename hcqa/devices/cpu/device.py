@@ -33,7 +33,7 @@ import ctypes
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,8 +45,9 @@ from hcqa.actors import Executor
 from hcqa.actors.engine import resolve_bound
 from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
-from hcqa.devices.buffer import Buffer, array_address
-from hcqa.devices.cpu.crunner import RunC, generic_entry, trampoline, wrap64
+from hcqa.devices.buffer import Buffer
+from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
+from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program, check_return
 from hcqa.errors import InvalidCommand
@@ -81,7 +82,7 @@ class CpuDevice(Device):
     """A device whose memory is host memory and whose engines are threads."""
 
     kind = "cpu"
-    native_runner = True  # graphs may fuse runs of C kernels into one native call
+    native_runner = True  # an engine calls an Exec's ready native call directly
     shares_native = True  # a lane record is the call's bytes: no memory held
 
     def __init__(self, name: str, **options: Any) -> None:
@@ -148,6 +149,20 @@ class CpuDevice(Device):
         raise InvalidCommand(
             f"program source must be a Python callable or C source str (got {type(src).__name__})"
         )
+
+    def _fusable(self, exec_: cmd.Exec) -> bool:
+        """A C kernel fuses, with variables too where the table can carry them (not a
+        symbolic launch size for a kernel that does not receive its geometry)."""
+        if exec_.program.kernel is None:
+            return False
+        return exec_.args is not None or entries(exec_) is not None
+
+    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> RunC:
+        """One native call over an argument table (``crunner.py``); at a submit, the
+        generic runner (nothing compiled: each kernel through its trampoline)."""
+        calls = [(e.program.kernel, entries(e)) for e in run]
+        names = [e.program.name for e in run]
+        return build_runner(calls, names, generic=at_submit)  # type: ignore[arg-type]
 
     def _inline(self, command: Any) -> bool:
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
