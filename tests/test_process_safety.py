@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,13 @@ ADD = "hcqa.processes.stages:add_one"
 
 
 def children() -> set[int]:
-    """Live (not zombie) child processes of this process."""
+    """Live (not zombie) child processes of this process that the test did not find there
+    (another library's pool -- tinygrad's compile workers, a Ray cluster -- may outlive the
+    test that started it: only a process started since counts)."""
+    return _children() - _EARLIER
+
+
+def _children() -> set[int]:
     me = str(os.getpid())
     out = set()
     for name in os.listdir("/proc"):
@@ -44,6 +51,17 @@ def children() -> set[int]:
         if fields[1] == me and fields[0] != "Z":
             out.add(int(name))
     return out
+
+
+_EARLIER: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _earlier_children() -> Iterator[None]:
+    """Note the children alive as each test starts (see ``children``)."""
+    _EARLIER.clear()
+    _EARLIER.update(_children())
+    yield
 
 
 def alive(pid: int) -> bool:
