@@ -122,6 +122,9 @@ class Device(Faults, HostCopies, Lifetime):
     # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
     # objects alive must not.
     shares_native: ClassVar[bool] = False
+    # True where the driver can keep some Waits itself (``_driver_wait``): the queue actors
+    # then ask before they await one on the host.
+    driver_waits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -168,21 +171,6 @@ class Device(Faults, HostCopies, Lifetime):
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
 
-    def _abandon_build(self) -> None:
-        """Close what a construction that failed part-way made: executors (never
-        started), queue signals, the timeline, the memory."""
-        made = vars(self)
-        for thing in made.get("_made", ()):
-            if isinstance(thing, Signal):
-                thing.close()
-            else:
-                thing.join(0)
-                thing.exited.close()
-        if "_timeline" in made:
-            self._timeline.close()
-        if "allocator" in made:
-            self.allocator.close()
-
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
     def _make_allocator(self, capacity: int) -> CachingAllocator:
@@ -213,6 +201,15 @@ class Device(Faults, HostCopies, Lifetime):
         ``Load`` (copy); the engine itself does ``Signal``, ``Timestamp``,
         ``MemoryBarrier`` and ``Step``. Only used by the default :meth:`_executor`."""
         raise NotImplementedError
+
+    def _driver_wait(self, actor: QueueActor, signal: Signal, value: int) -> Any:
+        """A fast path a backend may offer (with ``driver_waits = True``): what to hand
+        ``actor``'s executor in the place of ``Wait(signal, value)`` so that its driver
+        holds the commands after it until ``signal >= value`` -- ordering work the driver
+        already has, with the same semantics and fault crossing as the host's wait -- or
+        None: the actor awaits the signal on the host (signals produced elsewhere: the host,
+        another process, another driver). None by default."""
+        return None
 
     def _inline(self, command: Any) -> bool:
         """Whether ``command``, alone in a batch on an idle queue with no hazard, may run
