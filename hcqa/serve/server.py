@@ -36,6 +36,7 @@ from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -185,6 +186,7 @@ async def _run(
     """Run the HTTP server until cancelled or, with a trigger, drained (see the notes)."""
     state = app.state
     draining = trio.Event()
+    anyio.current_time()  # anyio loads its trio backend now, not inside the first request
 
     async def trigger() -> None:
         assert shutdown_trigger is not None
