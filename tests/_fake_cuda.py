@@ -70,6 +70,7 @@ def _bad(total: int, y: int, at: int) -> None:
 # name: (parameter ctypes, the kernel's effect given the thread count and the parameters)
 KERNELS: dict[str, tuple[list[Any], Callable[..., None]]] = {
     "inc": ([ctypes.c_uint64], _inc),
+    "misread": ([ctypes.c_uint64, ctypes.c_int64], lambda total, y, n: None),
     "saxpy": ([ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32], _saxpy),
     "scale": ([ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32], _scale),
     "wide": ([ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint8], _wide),
@@ -269,6 +270,12 @@ class FakeDriver:
 
     def cuFuncGetAttribute(self, attr: int, f: Function) -> tuple[int, int]:
         return (SUCCESS, 1024)
+
+    def cuFuncGetParamInfo(self, f: Function, i: int) -> tuple[int, int, int]:
+        types = KERNELS[f.name][0]
+        if i >= len(types):
+            return (INVALID_VALUE, 0, 0)
+        return (SUCCESS, 8 * i, ctypes.sizeof(types[i]))
 
     def cuModuleGetFunction(self, module: Any, name: bytes) -> tuple[int, Function]:
         return (SUCCESS, Function(name.decode()))

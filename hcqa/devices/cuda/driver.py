@@ -201,26 +201,6 @@ def current(ctx: Any) -> None:
         _local.ctx = key
 
 
-_sources: dict[int, Any] = {}  # a queue signal's address -> the executor whose stream sets it
-
-
-def add_wait_source(signal: Any, executor: Any) -> None:
-    """``executor``'s stream sets ``signal`` (its queue signal): other streams may wait for
-    it on the GPU (``CuExecutor.device_wait``)."""
-    with _lock:
-        _sources[signal.address] = executor
-
-
-def drop_wait_source(signal: Any) -> None:
-    with _lock:
-        _sources.pop(signal.address, None)
-
-
-def wait_source(signal: Any) -> Any:
-    """The executor whose stream sets ``signal``, or None."""
-    return _sources.get(getattr(signal, "address", -1))
-
-
 _HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 

@@ -56,7 +56,7 @@ from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
 
-__all__ = ["STAGING", "CuExecutor", "Segment"]
+__all__ = ["SMALL", "STAGING", "CuExecutor", "Segment", "StreamWait"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
@@ -64,6 +64,18 @@ _ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}
 STAGING = 8 << 20  # bytes of pinned staging memory per stream (allocated at the first host copy)
 SMALL = 256 << 10  # a host copy up to this size goes through a pinned block of its own
+
+
+class StreamWait:
+    """In a run in the place of a ``Wait``: this stream waits on the GPU for ``event``, recorded
+    on the producing stream once the producer's work was on it (``CudaDevice._driver_wait``)."""
+
+    __slots__ = ("event", "signal", "value")
+
+    def __init__(self, event: Any, signal: Any, value: int) -> None:
+        self.event = event
+        self.signal = signal
+        self.value = value
 
 
 class Segment:
@@ -120,7 +132,8 @@ class CuExecutor:
         self._post: list[tuple[int, int, int]] = []  # the open segment's copies out of blocks
         self._hostw = 0  # the open segment's copies into host memory
         self.enqueued = 0  # the highest value of this queue's signal handed to the stream
-        self.device_waits = 0  # Waits ordered on the GPU (``device_wait``)
+        self.own: Signal | None = None  # that signal (known from the first run)
+        self.device_waits = 0  # Waits ordered on the GPU (``StreamWait``)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -147,39 +160,6 @@ class CuExecutor:
 
     def run_inline(self, run: list[Any]) -> None:
         self.put(run)
-
-    def device_wait(self, signal: Any, value: int) -> bool:
-        """Order "``signal`` reaches ``value``" on the GPU (the queue actor's Wait), when
-        ``signal`` is the queue signal of another stream in this context whose work up to
-        ``value`` is already on that stream: record an event there now (it captures all of
-        that work) and make this stream wait for it (``cuStreamWaitEvent``). False: the
-        actor waits on the host instead."""
-        other = drv.wait_source(signal)
-        if other is None or other is self or other.enqueued < value:
-            return False
-        if int(other.device.cu_context) != int(self.device.cu_context):
-            return False
-        if self.error is not None or other.error is not None:
-            return False  # the host path breaks and skips as it should
-        driver = self._driver
-        with other._lock:  # (no lock is held while the other is taken: no order to keep)
-            drv.current(self.device.cu_context)
-            ev = self.device._take_event()
-            try:
-                drv.check("cuEventRecord", driver.cuEventRecord(ev, other.stream))
-            except drv.CudaError:
-                self.device._free_events.append(ev)
-                return False
-        with self._lock:
-            try:
-                drv.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self.stream, ev, 0))
-            except drv.CudaError as exc:
-                self._on_fault(None, exc)
-                return True  # faulted: what follows is skipped
-            finally:  # the wait took the event's state at the call: it may be recorded again
-                self.device._free_events.append(ev)
-        self.device_waits += 1
-        return True
 
     def stop(self) -> None:
         self.put(None)
@@ -221,7 +201,7 @@ class CuExecutor:
         what = ""
         busy = False  # stream work since the last segment
         stream, launch = self.stream, self._launch
-        own = self.device._queues[self.kind].signal
+        own = self.own = self.device._queues[self.kind].signal
         for i, c in enumerate(run):
             if self.error is not None:
                 self._skip(run[i:], self.error)
@@ -267,6 +247,18 @@ class CuExecutor:
                 books.append(("step", c.timeline, c.seq))
             elif kind is _STAMP:
                 books.append(("stamp", c.signal, self._event(seg_events)))
+            elif kind is StreamWait:  # a Wait the device keeps (``CudaDevice._driver_wait``)
+                try:
+                    drv.check(
+                        "cuStreamWaitEvent", self._driver.cuStreamWaitEvent(stream, c.event, 0)
+                    )
+                    self.device_waits += 1
+                except BaseException as exc:
+                    self._on_fault(c, exc)
+                    self._skip(run[i:], self.error)
+                    break
+                finally:  # the wait took the event's state at the call: it may be recorded again
+                    self.device._free_events.append(c.event)
             elif kind is not _BARRIER:  # (a stream orders memory at command ends)
                 unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
                 self._on_fault(c, unknown)
@@ -499,7 +491,9 @@ class CuExecutor:
         """Not running ``commands``: break their signals; complete other devices' steps."""
         for c in commands:
             kind = type(c)
-            if kind is _SIGNAL and error is not None:
+            if kind is StreamWait and c.event not in self.device._free_events:
+                self.device._free_events.append(c.event)
+            elif kind is _SIGNAL and error is not None:
                 c.signal._break(error)
             elif kind is _STEP and c.timeline is not self.timeline:
                 c.timeline.complete(c.seq)
