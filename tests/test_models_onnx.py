@@ -3,6 +3,7 @@ onnxruntime, per batch-size buckets, on tinygrad's kernels and as one onnxruntim
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ async def test_squeezenet_on_tinygrads_kernels_matches_onnxruntime_per_bucket(
     monkeypatch.setattr(cache, "load", lambda key: None)  # always capture through tinygrad
     async with hcqa.open_devices("cpu:0") as (dev,):
         m = await models.load_onnx(squeezenet, device=dev, batch_sizes=(2, 1))
+        assert multiprocessing.active_children() == []  # tinygrad's compiler pool ended
         assert m.batch_sizes == (1, 2)
         assert m.inputs == (models.TensorSpec("data_0", (None, 3, SIDE, SIDE), np.float32),)
         assert m.outputs == (models.TensorSpec("softmaxout_1", (None, 1000, 1, 1), np.float32),)

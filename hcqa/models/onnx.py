@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,15 @@ async def load_onnx(
     outputs: tuple[TensorSpec, ...] = ()
     if backend == "tinygrad":
         weights: dict[bytes, Any] = {}  # shared by the buckets
-        for rows in buckets_for:
-            lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
-            buckets[rows] = await build(device, lifted, weights)
-            outputs = tuple(s for s, _ in lifted.outputs)
+        try:
+            for rows in buckets_for:
+                lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
+                buckets[rows] = await build(device, lifted, weights)
+                outputs = tuple(s for s, _ in lifted.outputs)
+        finally:
+            if "hcqa.models._tinygrad" in sys.modules:  # not imported when all came from cache
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(sys.modules["hcqa.models._tinygrad"].release)
     else:
         session = await trio.to_thread.run_sync(_session, p)
         for rows in buckets_for:
