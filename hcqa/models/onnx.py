@@ -23,7 +23,9 @@ model with fixed shapes gets one graph and ``batch_sizes == ()``.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ from hcqa import aio
 from hcqa.devices import Device
 from hcqa.errors import InvalidCommand, install_hint
 from hcqa.graph import capture
+from hcqa.models import _toolchain, cache
 from hcqa.models.kinds import device_kind
-from hcqa.models.lifted import TensorSpec
+from hcqa.models.lifted import Lifted, TensorSpec
 from hcqa.models.model import Bucket, Model, build
 
 __all__ = ["load_onnx"]
@@ -150,17 +153,16 @@ async def load_onnx(
     buckets: dict[int, Bucket] = {}
     outputs: tuple[TensorSpec, ...] = ()
     if backend == "tinygrad":
-        from hcqa.models import _tinygrad
-
-        await trio.to_thread.run_sync(_tinygrad.check_onnx_ops, model, str(p))
         weights: dict[bytes, Any] = {}  # shared by the buckets
-        for rows in buckets_for:
-            examples = _examples(specs, max(rows, 1))
-            lifted = await trio.to_thread.run_sync(
-                functools.partial(_tinygrad.locked_onnx_capture, str(p), examples, kind=kind)
-            )
-            buckets[rows] = await build(device, lifted, weights)
-            outputs = tuple(s for s, _ in lifted.outputs)
+        try:
+            for rows in buckets_for:
+                lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
+                buckets[rows] = await build(device, lifted, weights)
+                outputs = tuple(s for s, _ in lifted.outputs)
+        finally:
+            if "hcqa.models._tinygrad" in sys.modules:  # not imported when all came from cache
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(sys.modules["hcqa.models._tinygrad"].release)
     else:
         session = await trio.to_thread.run_sync(_session, p)
         for rows in buckets_for:
@@ -181,6 +183,37 @@ async def load_onnx(
         buckets={max(r, 1): b for r, b in buckets.items()},
         batched=batched,
     )
+
+
+async def _lifted(path: Path, model: Any, examples: list[np.ndarray], kind: str) -> Lifted:
+    """tinygrad's capture of ``path`` for ``examples``: from hcqa's cache when this file, this
+    tinygrad and these shapes were captured before (then tinygrad is not even imported)."""
+    version = _installed("tinygrad")
+    shapes = [(e.shape, e.dtype.str) for e in examples]
+    reader = cache.reader_digest()  # a changed reader never reuses an older reading
+    key = await trio.to_thread.run_sync(
+        functools.partial(cache.key_for, "tinygrad", version, reader, kind, shapes, file=path)
+    )
+    hit = await trio.to_thread.run_sync(cache.load, key)
+    if hit is not None:
+        if hit.language == "c":
+            _toolchain.ensure_cc()  # the kernels are compiled with the same clang
+        return hit
+    from hcqa.models import _tinygrad
+
+    await trio.to_thread.run_sync(_tinygrad.check_onnx_ops, model, str(path))
+    lifted: Lifted = await trio.to_thread.run_sync(
+        functools.partial(_tinygrad.locked_onnx_capture, str(path), examples, kind=kind)
+    )
+    await trio.to_thread.run_sync(cache.store, key, lifted)
+    return lifted
+
+
+def _installed(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def _session(path: Path) -> Any:
