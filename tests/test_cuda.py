@@ -122,6 +122,9 @@ def cuda_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake, nvrtc = FakeDriver(), FakeNvrtc()
     monkeypatch.setattr(drv, "bindings", lambda: (fake, nvrtc))
     monkeypatch.setattr(drv, "_initialised", False)
+    # restored with _initialised: else the stand-in's clean cuInit outlives it, and a later
+    # open on this machine skips the real cuInit's refusal and meets the missing driver raw
+    monkeypatch.setattr(drv, "_init_error", drv._init_error)
     monkeypatch.setattr(drv, "_contexts", {})
     monkeypatch.setattr(drv, "_local", threading.local())
     monkeypatch.setattr(drv, "_native", drv._Native(launch=fake.launch_host_func))
