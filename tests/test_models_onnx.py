@@ -176,3 +176,28 @@ async def test_a_second_load_reuses_the_capture_and_a_damaged_entry_is_a_miss(
         np.testing.assert_allclose(await third(x), want, rtol=1e-5, atol=1e-6)
         await models.load_onnx(path, device=dev, batch_sizes=(1,))  # another shape: another key
         assert len(runs) == 3
+
+
+async def test_an_input_onnxruntime_refuses_is_the_callers_error_not_the_devices(
+    tmp_path: Path,
+) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.arange(30, dtype=np.float32).reshape(10, 3), "E")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["y"])],
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])],
+        [table],
+    )
+    path = tmp_path / "lookup.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        m = await models.load_onnx(path, device=dev, backend="onnxruntime", batch_sizes=(2,))
+        ids = np.array([[1, 2], [3, 99]], np.int64)  # 99: out of the table's range
+        with pytest.raises(hcqa.InvalidCommand, match=r"model 'lookup' could not run this input"):
+            await m(ids)
+        ids[1, 1] = 4
+        np.testing.assert_array_equal(await m(ids), np.arange(30.0).reshape(10, 3)[ids])
+        await dev.synchronize()  # the device did not fault

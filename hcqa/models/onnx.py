@@ -14,6 +14,9 @@ here, naming the file and the input), so nothing is captured for a model that ca
   unit of parallelism) becomes one Python kernel on ``cpu:N``; the engine thread calls it with
   numpy views of the input and output buffers, and ``session.run`` releases the GIL while it
   computes. Each batch size gets its buffers and its Graph (copy-in, the kernel, copy-out).
+  An input onnxruntime refuses at run time (an index out of range) is the caller's error, not
+  the device's: the kernel records it, writes nothing, and the call raises InvalidCommand
+  naming onnxruntime's message; the device and the model go on answering.
 
 A symbolic first dimension (``"N"``, or unnamed) is the batch: ``batch_sizes`` graphs are
 captured, and a call takes the smallest that holds its rows (:class:`~hcqa.models.Model`). A
@@ -250,10 +253,17 @@ async def _ort_bucket(
     outputs = tuple(TensorSpec(n, r.shape, r.dtype) for n, r in zip(out_names, probe, strict=True))
     n_out = len(outputs)
 
+    holder: list[Bucket] = []
+
     def run(*bufs: np.ndarray) -> None:
         feeds = {n: b for n, b in zip(names, bufs[n_out:], strict=True)}
-        for dest, got in zip(bufs[:n_out], session.run(None, feeds), strict=True):
-            dest[...] = got
+        try:
+            got = session.run(None, feeds)
+        except Exception as exc:  # the input's fault (an index out of range): not the device's
+            holder[0].failure = f"onnxruntime: {type(exc).__name__}: {exc}"
+            return
+        for dest, out in zip(bufs[:n_out], got, strict=True):
+            dest[...] = out
 
     prog = await device.program_async(
         "onnxruntime",
@@ -285,4 +295,5 @@ async def _ort_bucket(
         scratch_bytes=0,
         buffers=[*ins, *outs],
     )
+    holder.append(bucket)
     return bucket, outputs
