@@ -1,9 +1,10 @@
-"""The peer: tinygrad 0.13's CPU device (HCQ-based), driven the way its users drive it.
+"""The peer: tinygrad 0.14's CPU device (HCQ-based), driven the way its users drive it.
 
 Optional, never a test dependency. ``load()`` returns ``None`` with a reason when tinygrad
-(``pip install tinygrad==0.13.0``) or clang (its CPU device shells out to it) is missing.
+(``pip install tinygrad==0.14.0``, the version hcqa.models reads) or clang (its CPU device
+shells out to it) is missing.
 
-tinygrad 0.13 picks its device from ``DEV`` (``DEV=CPU``; ``CPU=1`` is refused as
+tinygrad 0.14 picks its device from ``DEV`` (``DEV=CPU``; ``CPU=1`` is refused as
 deprecated), read at import: this module sets ``DEV=CPU`` unless the caller already did.
 
 Everything here is synchronous: the peer blocks its caller, which is how it is used.
@@ -34,7 +35,12 @@ class Peer:
         self.dev0 = Device["CPU"]
         self.dev1 = Device["CPU:1"]
         lib = self.dev0.compiler.compile_cached(NOOP_SRC)
-        self._prg = self.dev0.runtime("noop", lib)
+        # 0.14: a program is made from a TinyELF (object bytes, name, target, signature)
+        elf = _module("tinygrad.device").TinyELF
+        uint8 = _module("tinygrad.dtype").dtypes.uint8
+        sig = (("data0", 0, uint8, ()),)  # only core_id is looked up in it on CPU
+        target = self.dev0.renderer.target
+        self._prg = self.dev0.runtime(elf(lib=lib, name="noop", target=target, signature=sig))
         self._buf = self.dev0.allocator.alloc(64)
         self.call_program()  # first call: queues, kernargs, signals
 

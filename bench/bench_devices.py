@@ -25,7 +25,7 @@ a rotating order, so host-load drift hits all sides alike; ratios are what to qu
    64 and 256 MiB vs ``numpy.copyto`` (target >= 0.8x its bandwidth, aim 0.95x); copyin /
    copyout of 64 MiB with ``host_visible=True`` and ``False`` (the staging ring).
    ``--quick`` skips 256 MiB.
-4. the peer, tinygrad 0.13's CPU device, when importable: a direct program call + synchronize
+4. the peer, tinygrad 0.14's CPU device, when importable: a direct program call + synchronize
    of a tiny kernel, cross-device copies of 1 and 256 MiB (``CPU:0`` -> ``CPU:1``).
 
 The helpers (``interleave``, ``Series``, the formatting) are in ``bench._series``, shared with

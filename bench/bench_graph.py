@@ -1,5 +1,5 @@
 """Graph benchmarks: replay of captured kernel chains vs eager launches, and vs
-tinygrad 0.13's TinyJit on its CPU device, measured side by side in one run.
+tinygrad 0.14's TinyJit on its CPU device, measured side by side in one run.
 
 Run from the repository root::
 
@@ -17,7 +17,7 @@ What is measured (all rows interleaved round by round in a rotating order; quote
    (replay(1000) - replay(10)) / 990, from an extra replay-only chain of 1000 (the
    difference of two ~60 µs medians over 90 kernels is too noisy on a 2-vCPU host);
    replay(N) / N, which carries the fixed wake-up cost, is shown next to it.
-2. the peer: tinygrad 0.13 ``TinyJit`` on its CPU device replaying the same chain (N tiny
+2. the peer: tinygrad 0.14 ``TinyJit`` on its CPU device replaying the same chain (N tiny
    ``(x + 1).contiguous()`` kernels; the number of kernels its captured JIT really runs is
    reported), replay + synchronize per call; its marginal per-kernel cost is taken over
    10 -> 100 (capturing 1000 takes tinygrad ~10 s; its ~10 µs per kernel dwarfs the noise).

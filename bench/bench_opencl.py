@@ -26,6 +26,12 @@ does not move.
 4. CPU while a queue waits 1 s on a signal nobody sets: hcqa with a ``wait`` queued and a
    kernel behind it, PyOpenCL with a kernel gated by a user event (target: hcqa < 1 % of a
    core, the OpenCL runtime's threads included).
+5. A compute/copy chain: kernel, transfer, kernel, transfer, ... (8 steps, each reading what
+   the last wrote), alternating the compute and copy queues of ``opencl:0``, against the same
+   chain with the transfers as copy kernels on the compute queue alone (target <= 1.15x,
+   paired): the cross-queue waits are kept by the driver (event wait lists). Beside them, the
+   same alternating chain with every wait gated on the host (the path before driver-kept
+   waits), for reference.
 
 Without an OpenCL device in this hcqa (or without PyOpenCL) the hcqa side is skipped and its
 targets say so; the peer and the floor still run.
@@ -126,15 +132,28 @@ class Peer:
 
 
 class Plan:
-    def __init__(self, *, rounds: int, per_launch: int, per_batch: int, per_copy: dict[int, int]):
+    def __init__(
+        self,
+        *,
+        rounds: int,
+        per_launch: int,
+        per_batch: int,
+        per_copy: dict[int, int],
+        per_chain: int,
+    ):
         self.rounds = rounds
         self.per_launch = per_launch
         self.per_batch = per_batch
         self.per_copy = per_copy
+        self.per_chain = per_chain
 
 
-FULL = Plan(rounds=30, per_launch=100, per_batch=5, per_copy={1 * MiB: 40, 64 * MiB: 3})
-QUICK = Plan(rounds=5, per_launch=40, per_batch=2, per_copy={1 * MiB: 10, 64 * MiB: 1})
+FULL = Plan(
+    rounds=30, per_launch=100, per_batch=5, per_copy={1 * MiB: 40, 64 * MiB: 3}, per_chain=20
+)
+QUICK = Plan(
+    rounds=5, per_launch=40, per_batch=2, per_copy={1 * MiB: 10, 64 * MiB: 1}, per_chain=10
+)
 
 
 def _lat(s: Series) -> list[str]:
@@ -309,6 +328,85 @@ async def copy_section(
     return rows, lines
 
 
+CHAIN_SOURCE = """
+__kernel void bump(__global int *x, int n, int spin) {
+    int i = get_global_id(0);
+    int acc = x[i];
+    for (int k = 0; k < spin; k++) acc = acc * 1103515245 + 12345;
+    if (i < n) x[i] += 1 + (acc == 7 && spin < 0);
+}
+__kernel void move(__global int *d, __global const int *s, int n) {
+    int i = get_global_id(0);
+    if (i < n) d[i] = s[i];
+}
+"""
+CHAIN_STEPS = 8
+CHAIN_SPIN = 3000  # the first kernel's loop: a few hundred µs on PoCL, to enqueue the rest
+
+
+async def chain_section(
+    devs: tuple[Any, Any, Any] | None, plan: Plan
+) -> tuple[list[list[str]], list[str]]:
+    """Section 5: the compute/copy chain (see the module doc); ``devs``: two devices on
+    ``opencl:0`` (the second unused here) and a third whose queues gate every wait on the
+    host. The chain's first kernel runs long enough for the whole chain to be enqueued while
+    it runs, so the chain measures the hand-offs on the device, not Python's enqueue calls."""
+    sec = "5 compute/copy chain"
+    name = "5a compute/copy chain on opencl:0 <= 1.15x the same chain on one queue (paired)"
+    if devs is None:
+        return [], [verdict(name, None, "no hcqa opencl device")]
+    n = 64  # one work-group: the chain's cost is its hand-offs, not its work
+    size = {"global_size": (1, 1, 1), "local_size": (n, 1, 1)}
+    ops: dict[str, AsyncOp] = {}
+    checks: list[Any] = []
+    for key, dev in (("cross", devs[0]), ("host", devs[2])):
+        a = dev.alloc(shape=(n,), dtype="int32")
+        b = dev.alloc(shape=(n,), dtype="int32")
+        await a.copyin(np.zeros(n, np.int32))
+        bump = dev.program("bump", CHAIN_SOURCE, entry="bump")
+        move = dev.program("move", CHAIN_SOURCE, entry="move")
+
+        async def cross(a: Any = a, b: Any = b, bump: Any = bump) -> None:
+            for j in range(CHAIN_STEPS // 4):
+                bump(a, vals=(n, CHAIN_SPIN if j == 0 else 0), **size)
+                hcqa.transfer(b, a)
+                bump(b, vals=(n, 0), **size)
+                fence = hcqa.transfer(a, b)
+            await fence
+
+        async def one(a: Any = a, b: Any = b, bump: Any = bump, move: Any = move) -> None:
+            for j in range(CHAIN_STEPS // 4):
+                bump(a, vals=(n, CHAIN_SPIN if j == 0 else 0), **size)
+                move(b, a, vals=(n,), **size)
+                bump(b, vals=(n, 0), **size)
+                fence = move(a, b, vals=(n,), **size)
+            await fence
+
+        ops[key] = cross
+        if key == "cross":
+            ops["one"] = one
+        checks.append(a)
+    s = await interleave(ops, rounds=plan.rounds, per_round=plan.per_chain, warmup=3)
+    for a in checks:  # each chain adds CHAIN_STEPS // 2 to every element, in order
+        out = np.empty(n, np.int32)
+        await a.copyout(out)
+        if not (out == out[0]).all() or out[0] % (CHAIN_STEPS // 2):
+            raise RuntimeError(f"a chain lost an ordering: {out[:8]}")
+    cross, one, host = s["cross"], s["one"], s["host"]
+    r, rh = paired_ratio(cross, one), paired_ratio(host, one)
+    rows = [
+        [sec, f"{CHAIN_STEPS} steps alternating compute and copy queues", *_lat(cross),
+         f"{fmt_ratio(r)} one queue"],
+        [sec, "the same chain, every wait gated on the host", *_lat(host),
+         f"{fmt_ratio(rh)} one queue"],
+        [sec, "the same chain on the compute queue (copy kernels)", *_lat(one), "ref"],
+    ]  # fmt: skip
+    return rows, [
+        verdict(name, r <= 1.15, f"{fmt_ratio(r)}: {fmt_ns(cross.p50)} vs {fmt_ns(one.p50)}"),
+        info("5 the chain gated on the host", f"{fmt_ratio(rh)} one queue"),
+    ]
+
+
 def _cpu_during(seconds: float) -> Callable[[], Any]:
     """``async`` helper: the process CPU (all threads) while the loop sleeps ``seconds``."""
 
@@ -365,19 +463,23 @@ async def main(quick: bool) -> None:
     lines: list[str] = []
     why = ""
     async with contextlib.AsyncExitStack() as stack:
-        devs: tuple[Any, Any] | None = None
+        devs: tuple[Any, Any, Any] | None = None
         try:  # two hcqa devices on one OpenCL device: transfers between them are device -> device
             devs = await stack.enter_async_context(
-                hcqa.open_devices("opencl:0", "opencl:0", inline_kernels=False)
+                hcqa.open_devices("opencl:0", "opencl:0", "opencl:0", inline_kernels=False)
             )
         except hcqa.InvalidCommand as exc:  # opencl:N unknown to this hcqa
             why = f"hcqa side skipped: {exc}"
         dev = devs[0] if devs is not None else None
+        if devs is not None:  # the third gates every wait on the host (the path before)
+            for actor in devs[2]._queues.values():
+                actor._hold = None
         for part in (
             await launch_section(dev, peer, plan),
             await batch_section(dev, peer, plan),
-            await copy_section(devs, peer, plan),
+            await copy_section(devs[:2] if devs is not None else None, peer, plan),
             await idle_section(dev, peer),
+            await chain_section(devs, plan),
         ):
             rows.extend(part[0])
             lines.extend(part[1])

@@ -81,6 +81,7 @@ class BatcherStatistics:
     in_flight: int  # batches running now
     queue_wait_p50: float  # from the call to its batch's dispatch, last 4096 requests
     queue_wait_p99: float
+    queue_wait_total: float  # every request's wait from its call to its batch's dispatch
 
 
 @attrs.define(eq=False)
@@ -128,6 +129,7 @@ class Batcher:
         self._failed = 0
         self._cancelled = 0
         self._waits: collections.deque[float] = collections.deque(maxlen=_WAIT_HISTORY)
+        self._wait_total = 0.0
 
     async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
@@ -179,6 +181,7 @@ class Batcher:
             in_flight=self._in_flight,
             queue_wait_p50=p50,
             queue_wait_p99=p99,
+            queue_wait_total=self._wait_total,
         )
 
     def __repr__(self) -> str:
@@ -230,7 +233,9 @@ class Batcher:
     async def _run_batch(self, batch: list[_Request]) -> None:
         now = trio.current_time()
         n = len(batch)
-        self._waits.extend(now - r.arrived for r in batch)
+        waits = [now - r.arrived for r in batch]
+        self._waits.extend(waits)
+        self._wait_total += sum(waits)
         self._batches += 1
         self._samples += n
         self._sizes[n - 1] += 1

@@ -60,6 +60,7 @@ def _wide(total: int, y: int, v: int, u: int) -> None:
 
 def _spin(total: int, x: int, n: int) -> None:
     time.sleep(n / 5e8)  # 20_000_000 iterations: 40 ms
+    _arr(x, ctypes.c_float, 1)[0] = 1 + (_arr(x, ctypes.c_float, 1)[0] - 1) * 0.9999999**n
 
 
 def _bad(total: int, y: int, at: int) -> None:
@@ -69,6 +70,7 @@ def _bad(total: int, y: int, at: int) -> None:
 # name: (parameter ctypes, the kernel's effect given the thread count and the parameters)
 KERNELS: dict[str, tuple[list[Any], Callable[..., None]]] = {
     "inc": ([ctypes.c_uint64], _inc),
+    "misread": ([ctypes.c_uint64, ctypes.c_int64], lambda total, y, n: None),
     "saxpy": ([ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32], _saxpy),
     "scale": ([ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32], _scale),
     "wide": ([ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint8], _wide),
@@ -141,6 +143,9 @@ class FakeDriver:
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
     )
     CUfunction_attribute = SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK=0)
+    CUctx_flags = SimpleNamespace(
+        CU_CTX_SCHED_SPIN=1, CU_CTX_SCHED_YIELD=2, CU_CTX_SCHED_BLOCKING_SYNC=4
+    )
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUevent_flags = SimpleNamespace(CU_EVENT_DEFAULT=0)
 
@@ -175,6 +180,10 @@ class FakeDriver:
 
     def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[int, Handle]:
         return (SUCCESS, self.ctx)
+
+    def cuDevicePrimaryCtxSetFlags(self, dev: int, flags: int) -> tuple[int]:
+        self.ctx_flags = flags
+        return (SUCCESS,)
 
     def cuCtxSetCurrent(self, ctx: Any) -> tuple[int]:
         return (SUCCESS,)
@@ -237,6 +246,16 @@ class FakeDriver:
         stream.put(record, "event")
         return (SUCCESS,)
 
+    def cuStreamWaitEvent(self, stream: Stream, ev: Event, flags: int) -> tuple[int]:
+        mark = ev.recorded  # the event's state now (later records don't change the wait)
+
+        def wait() -> None:
+            while ev.done < mark:
+                time.sleep(0.00005)
+
+        stream.put(wait, "wait")
+        return (SUCCESS,)
+
     def cuEventQuery(self, ev: Event) -> tuple[int]:
         return (SUCCESS,) if ev.done == ev.recorded else (NOT_READY,)
 
@@ -251,6 +270,12 @@ class FakeDriver:
 
     def cuFuncGetAttribute(self, attr: int, f: Function) -> tuple[int, int]:
         return (SUCCESS, 1024)
+
+    def cuFuncGetParamInfo(self, f: Function, i: int) -> tuple[int, int, int]:
+        types = KERNELS[f.name][0]
+        if i >= len(types):
+            return (INVALID_VALUE, 0, 0)
+        return (SUCCESS, 8 * i, ctypes.sizeof(types[i]))
 
     def cuModuleGetFunction(self, module: Any, name: bytes) -> tuple[int, Function]:
         return (SUCCESS, Function(name.decode()))

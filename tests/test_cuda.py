@@ -122,6 +122,9 @@ def cuda_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake, nvrtc = FakeDriver(), FakeNvrtc()
     monkeypatch.setattr(drv, "bindings", lambda: (fake, nvrtc))
     monkeypatch.setattr(drv, "_initialised", False)
+    # restored with _initialised: else the stand-in's clean cuInit outlives it, and a later
+    # open on this machine skips the real cuInit's refusal and meets the missing driver raw
+    monkeypatch.setattr(drv, "_init_error", drv._init_error)
     monkeypatch.setattr(drv, "_contexts", {})
     monkeypatch.setattr(drv, "_local", threading.local())
     monkeypatch.setattr(drv, "_native", drv._Native(launch=fake.launch_host_func))
@@ -625,3 +628,153 @@ async def test_a_kernel_fault_without_a_host_function_is_found_by_the_hang_check
         assert "program 'bad' failed on the compute queue" in str(info.value)
         with pytest.raises(hcqa.DeviceFault):
             y.copyin(np.zeros(4, np.int32))
+
+
+def _opencl() -> str | None:
+    from _kinds import opencl_missing
+
+    return opencl_missing()
+
+
+@pytest.mark.skipif(_opencl() is not None, reason=f"no OpenCL device: {_opencl()}")
+@gpu
+async def test_transfers_between_cuda_and_opencl_go_through_host_memory() -> None:
+    n = 1 << 12
+    a = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    async with hcqa.open_devices("cuda:0", "opencl:0") as (g, o):
+        x = g.alloc(shape=(n,), dtype="float32")
+        y = o.alloc(shape=(n,), dtype="float32")
+        z = g.alloc(shape=(n,), dtype="float32")
+        await x.copyin(a)
+        gate = hcqa.Signal()
+        saxpy = g.program("saxpy", SOURCE)
+        geo = {"global_size": (n // 64, 1, 1), "local_size": (64, 1, 1)}
+        held = g.compute_queue().wait(gate, 1).exec(saxpy, (x, x), vals=(n, 1), **geo).submit()
+        fence = hcqa.transfer(y, x)  # after the saxpy that writes x (a hazard): 2 * a
+        await trio.sleep(0.02)
+        assert not fence.reached
+        gate.value = 1
+        await held
+        await fence
+        await hcqa.transfer(z, y)
+        np.testing.assert_array_equal(await _read(y), 2 * a)
+        np.testing.assert_array_equal(await _read(z), 2 * a)
+        with pytest.raises(hcqa.InvalidCommand, match="goes through host memory"):
+            with hcqa.capture():
+                hcqa.transfer(y, x)
+
+
+def _actors_ask_for_driver_waits() -> bool:
+    import inspect
+
+    from hcqa.actors import actor
+
+    return "_driver_wait" in inspect.getsource(actor)
+
+
+@gpu
+async def test_a_wait_kept_on_the_gpu_orders_one_stream_behind_the_other() -> None:
+    """The device's driver-side wait: an event recorded on the compute stream behind a long
+    kernel, and the copy stream made to wait for it (cuStreamWaitEvent): the copy sees the
+    kernel's result. Here the run is handed to the copy executor directly."""
+    from hcqa import commands as cmd
+    from hcqa.devices.cuda.executor import StreamWait
+
+    async with hcqa.open_device("cuda:0") as g:
+        x = g.alloc(shape=(1,), dtype="float32")
+        z = g.alloc(shape=(1,), dtype="float32")
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        value = g.compute.value
+        other = g.copy.engine
+        assert g._driver_wait(g.copy, g.compute.signal, value + 1) is None  # not enqueued
+        assert g._driver_wait(g.copy, hcqa.Signal(), 1) is None  # not one of its streams
+        gate = g._driver_wait(g.copy, g.compute.signal, value)
+        assert isinstance(gate, StreamWait)
+        done = hcqa.Signal()
+        before = other.device_waits
+        other.put([gate, cmd.Copy(dest=z, src=x, nbytes=4), cmd.Signal(signal=done, value=1)])
+        with trio.fail_after(10):
+            await done.wait(1)
+        assert other.device_waits == before + 1
+        got, final = await _read(z), await _read(x)
+        assert got[0] == final[0] and final[0] != 2.0, (got, final)
+
+
+@pytest.mark.skipif(
+    not _actors_ask_for_driver_waits(), reason="the queue actors don't ask for driver waits here"
+)
+@gpu
+async def test_a_hazard_between_its_own_streams_is_waited_for_on_the_gpu() -> None:
+    """A copy that reads what a long kernel writes: the copy queue's Wait for the compute
+    queue is kept on the GPU (the actor does not park on the host), and the copy still sees
+    the kernel's result."""
+    async with hcqa.open_device("cuda:0") as g:
+        x = g.alloc(shape=(1,), dtype="float32")
+        z = g.alloc(shape=(1,), dtype="float32")
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        before = g.copy.engine.device_waits
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        fence = g.copy_queue().copy(z, x, 4).submit()  # reads x: waits for the kernel
+        await fence
+        assert g.copy.engine.device_waits == before + 1
+        got, final = await _read(z), await _read(x)
+        assert got[0] == final[0] and final[0] != 2.0, (got, final)
+
+
+@gpu
+async def test_a_copy_in_after_a_copy_out_to_the_same_array_reads_what_it_wrote() -> None:
+    """A small copy-in takes its host bytes at once, unless a copy-out into host memory may
+    still be writing them: then in stream order, after it."""
+    async with hcqa.open_device("cuda:0") as g:
+        x, y, z = (g.alloc(shape=(1,), dtype="float32") for _ in range(3))
+        spin = g.program("spin", SOURCE)
+        await x.copyin(np.full(1, 2.0, np.float32))
+        await spin(x, vals=(1000,))
+        host = np.full(1, -1.0, np.float32)
+        spin(x, vals=(20_000_000,))  # tens of milliseconds
+        x.copyout(host)  # not awaited: it waits for the kernel (a hazard) ...
+        await y.copyin(host)  # ... and this copy-in behind it on the copy queue reads host
+        final = await _read(x)
+        assert final[0] != 2.0
+        np.testing.assert_array_equal(await _read(y), final)
+        await z.copyin(host)  # nothing pending now: taken at once
+        np.testing.assert_array_equal(await _read(z), final)
+
+
+@pytest.mark.skipif(REAL, reason="the flag applies once per process: checked on the stand-in")
+@gpu
+async def test_the_schedule_flag_is_set_before_the_context_is_made(
+    cuda_driver: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HCQA_CUDA_SCHED", "bogus")
+    with pytest.raises(hcqa.InvalidCommand, match=r"HCQA_CUDA_SCHED must be one of .*'bogus'"):
+        async with hcqa.open_device("cuda:0"):
+            pass
+    monkeypatch.setenv("HCQA_CUDA_SCHED", "blocking")
+    async with hcqa.open_device("cuda:0"):
+        assert cuda_driver.ctx_flags == 4  # CU_CTX_SCHED_BLOCKING_SYNC
+
+
+@gpu
+async def test_a_kernel_compiled_otherwise_than_its_source_reads_is_refused() -> None:
+    """The parameters read from the source are checked against the compiled kernel's own
+    layout (cuFuncGetParamInfo): a macro that makes ``n`` 64-bit would misplace the vals.
+    (The stand-in driver compiles ``misread`` as (pointer, 64-bit) whatever the source.)"""
+    sneaky = '#define int long long\nextern "C" __global__ void misread(char *y, int n) { }'
+    async with hcqa.open_device("cuda:0") as g:
+        with pytest.raises(hcqa.InvalidCommand, match=r"sizes \[8, 4\] bytes; got sizes \[8, 8\]"):
+            g.program("misread", sneaky)
+
+
+@gpu
+def test_info_lists_each_gpu_by_its_spec() -> None:
+    from hcqa.cli._cuda import cuda_rows
+
+    rows = dict(cuda_rows())
+    assert rows["cuda"].endswith("device(s)")
+    assert "compute capability" in rows["cuda:0"] and "GiB" in rows["cuda:0"]

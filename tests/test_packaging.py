@@ -27,7 +27,12 @@ def _names(requirements: list[str]) -> set[str]:
 
 # Subpackages that are an optional extra: their imports may come from that extra, and
 # nothing outside them may import them at module level (the core imports without it).
-EXTRA_PACKAGES = {"ray": "ray", "serve": "serve", "devices/opencl": "opencl"}  # hcqa/ray/ -> [ray]
+EXTRA_PACKAGES = {
+    "ray": "ray",
+    "serve": "serve",
+    "devices/opencl": "opencl",
+    "models": "models",
+}  # hcqa/ray/ -> [ray]
 
 
 def _extra_of(path: Path) -> str | None:

@@ -346,8 +346,8 @@ async def test_the_inference_server_example() -> None:
 
 
 async def test_make_app_checks_its_arguments() -> None:
-    with pytest.raises(TypeError, match=r"hcqa\.Pipeline"):
-        make_app(object())  # type: ignore[arg-type]
+    with pytest.raises(hcqa.InvalidCommand, match=r"serve takes a models\.Model, a Pipeline"):
+        make_app(object())
     async with hcqa.open_device("cpu:0") as d:
         pipe = hcqa.Pipeline([(d, double)], in_shape=(2,))
         with pytest.raises(ValueError, match="max_pending"):
@@ -477,11 +477,13 @@ async def test_metrics_parse_as_prometheus_text() -> None:
     assert samples[("hcqa_request_duration_seconds_count", (("endpoint", "/infer"),))] == 6
     sizes = families["hcqa_batch_size"]
     assert sizes.type == "histogram"
-    assert samples[("hcqa_batch_size_count", ())] == stats["batches"]
-    assert samples[("hcqa_batch_size_sum", ())] == 6
-    assert samples[("hcqa_batch_size_bucket", (("le", "+Inf"),))] == stats["batches"]
-    assert samples[("hcqa_batch_size_bucket", (("le", "1"),))] == stats["batch_sizes"][0]
-    assert samples[("hcqa_batcher_queue_depth", ())] == 0
+    model = ("model", "model")  # the model's own metrics carry its name
+    assert samples[("hcqa_batch_size_count", (model,))] == stats["batches"]
+    assert samples[("hcqa_batch_size_sum", (model,))] == 6
+    assert samples[("hcqa_batch_size_bucket", (("le", "+Inf"), model))] == stats["batches"]
+    assert samples[("hcqa_batch_size_bucket", (("le", "1"), model))] == stats["batch_sizes"][0]
+    assert samples[("hcqa_batcher_queue_depth", (model,))] == 0
+    assert samples[("hcqa_model_ready", (model,))] == 1
     assert samples[("hcqa_requests_pending", ())] == 0
     busy = {s.labels["device"]: s.value for s in families["hcqa_device_busy"].samples}
     assert busy == {"cpu:0": 0.0, "cpu:1": 0.0}

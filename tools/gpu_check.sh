@@ -34,24 +34,29 @@ stage() {  # stage NAME SECONDS COMMAND...: run, log to $OUT/NAME.txt, say how i
     command -v cc gcc clang ld
     ls /usr/local/nvidia/lib64 2>/dev/null | head -50
 } >"$OUT/env.txt" 2>&1
-stage info 30 python3 -m hcqa.cli info
-
-stage test_cuda 120 python3 -m pytest -q -p no:cacheprovider -p no:randomly -ra tests/test_cuda.py
-
-# The OpenCL suite on the GPU's own OpenCL driver, through pyopencl's ICD loader.
 ocl=$(ls /usr/local/nvidia/lib64/libnvidia-opencl.so* /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so* \
     /usr/lib64/libnvidia-opencl.so* /usr/lib/libnvidia-opencl.so* 2>/dev/null | head -n 1)
 if [ -n "$ocl" ]; then
     mkdir -p /tmp/icd && echo "$ocl" >/tmp/icd/nvidia.icd
     export OCL_ICD_VENDORS=/tmp/icd OCL_ICD_FILENAMES=$ocl
     echo "OpenCL ICD: $ocl" >>"$OUT/summary.txt"
-    stage test_opencl 90 python3 -m pytest -q -p no:cacheprovider -p no:randomly -ra -x \
+fi
+stage info 30 python3 -m hcqa.cli info
+
+stage test_cuda 120 python3 -m pytest -q -p no:cacheprovider -p no:randomly -ra tests/test_cuda.py
+
+# The OpenCL suite on the GPU's own OpenCL driver, through pyopencl's ICD loader (set for every
+# stage: opencl:0 is then the GPU, also for test_cuda's cuda <-> opencl transfers).
+if [ -n "$ocl" ]; then
+    stage test_opencl 120 python3 -m pytest -q -p no:cacheprovider -p no:randomly -ra \
         tests/test_opencl.py tests/test_opencl_pitfalls.py tests/test_opencl_integration.py
 else
     echo "== test_opencl: no libnvidia-opencl.so on this machine" | tee -a "$OUT/summary.txt"
 fi
 
 stage bench 60 python3 tools/cuda_bench.py
+# the same launches with the driver's threads blocking instead of spinning (a context flag)
+HCQA_CUDA_SCHED=blocking stage bench_blocking 40 python3 tools/cuda_bench.py --sizes 4096,1048576
 
 # tinygrad's own CUDA device needs libnvrtc (from the nvidia-cuda-nvrtc wheel) and libcuda.
 nvrtc=$(python3 - <<'EOF'

@@ -27,6 +27,11 @@ to an idle actor goes straight to the engine; and a short copy (see
 the caller's thread, through the engine's own table and fault handling -- a
 1 MiB copy costs less than the two thread wake-ups it would otherwise take.
 
+A backend whose driver orders work itself (``driver_waits``, OpenCL) is asked first, for each
+Wait not yet reached (``_driver_wait``): what it returns replaces the Wait in the run and the
+driver holds what follows; only a None is awaited here. A batch whose Waits the driver keeps
+all also goes straight to the executor from an idle actor.
+
 The actor also keeps the queue's own progress signal (``actor.signal``), which
 the batch's trailing ``Signal`` command advances: other queues wait on it for
 cross-queue dependencies.
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import trio
@@ -56,9 +61,12 @@ class QueueOwner(Protocol):
 
     name: str
     hang_limit: float
+    driver_waits: ClassVar[bool]
     _error: BaseException | None
 
     def _fault(self, exc: BaseException) -> None: ...
+
+    def _driver_wait(self, actor: QueueActor, signal: Signal, value: int) -> Any: ...
 
     def _cancel(self) -> None: ...
 
@@ -89,9 +97,7 @@ class QueueStatistics:
 class QueueActor:
     """The trio task behind one device queue (``kind`` is ``"compute"`` or ``"copy"``)."""
 
-    def __init__(
-        self, device: QueueOwner, kind: str, engine: Executor, *, capacity: int
-    ) -> None:
+    def __init__(self, device: QueueOwner, kind: str, engine: Executor, *, capacity: int) -> None:
         self.device = device
         self.kind = kind
         self.name = f"{device.name} {kind}"
@@ -109,6 +115,8 @@ class QueueActor:
         self._closed = False
         self._leftover: list[Any] = []  # commands cut off by cancellation
         self.direct = 0  # batches that went straight to the engine (or ran inline)
+        # Waits the driver may keep (see the module doc): asked before awaiting on the host
+        self._hold = device._driver_wait if device.driver_waits else None
         self._table: dict[type, Callable[[Any], Awaitable[None]]] = {Batch: self._batch}
 
     # -- the submitting side (caller's task) ---------------------------------------------
@@ -166,8 +174,36 @@ class QueueActor:
                 self.received += 1
                 self.direct += 1
                 return
+            if self._hold is not None:
+                run = self._held(commands)
+                if run is not None:  # every Wait kept by the driver (or already reached)
+                    self.engine.put(run)
+                    self.sent += 1
+                    self.received += 1
+                    self.direct += 1
+                    return
         self._send.send_nowait(batch if batch is not None else Batch(commands))
         self.sent += 1
+
+    def _held(self, commands: list[Any]) -> list[Any] | None:
+        """``commands`` with each Wait replaced by what the driver keeps it with (dropped
+        when already reached); None when one must be awaited on the host."""
+        hold = self._hold
+        if hold is None or self.device._error is not None:
+            return None
+        run: list[Any] = []
+        for c in commands:
+            if type(c) is cmd.Wait:
+                sig: Signal = c.signal
+                target: int = c.value  # type: ignore[assignment]  # resolved at submit
+                if sig.value >= target:
+                    continue
+                gate = hold(self, sig, target)
+                if gate is None:
+                    return None
+                c = gate
+            run.append(c)
+        return run
 
     async def wait_for_space(self) -> None:
         """Park until the channel may have room (a batch was received). Raises
@@ -246,6 +282,11 @@ class QueueActor:
             target: int = command.value  # type: ignore[assignment]  # resolved at submit
             if sig.value >= target or self.device._error is not None:
                 continue
+            if self._hold is not None:  # the driver may keep it: no await
+                gate = self._hold(self, sig, target)
+                if gate is not None:
+                    run.append(gate)
+                    continue
             if run:
                 self.engine.put(run)
                 run = []

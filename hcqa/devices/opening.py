@@ -30,8 +30,9 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import trio
 
 from hcqa import aio
@@ -39,9 +40,11 @@ from hcqa import commands as cmd
 from hcqa.devices import backends
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
+from hcqa.devices.capture import capturing as _capturing
+from hcqa.devices.hostarrays import host_ref
 from hcqa.devices.sizes import check_int
 from hcqa.errors import HcqaError, InvalidCommand
-from hcqa.signals import Fence
+from hcqa.signals import Fence, Signal
 
 __all__ = ["open_device", "open_devices", "transfer"]
 
@@ -216,7 +219,9 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     destination's last uses; ordered on both devices' timelines. Returns the
     destination timeline's Fence. (A source in driver memory that the destination's
     kind can't read -- OpenCL to cpu -- is copied on the source's copy queue instead,
-    and the Fence is the source timeline's, reached with the same batch.)"""
+    and the Fence is the source timeline's, reached with the same batch. Between two kinds
+    of driver memory -- cuda and opencl -- the bytes go through a host array: a copyout on
+    the source's copy queue, then a copyin on the destination's once it is done.)"""
     for name, b in (("dest", dest), ("src", src)):
         if not isinstance(b, Buffer):
             raise InvalidCommand(
@@ -240,6 +245,12 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
                 f"to reshape, transfer src.view(0, {src.nbytes}, dtype=..., shape=...)"
             )
     device = dest.device
+    if (
+        not src.device.host_memory
+        and not device.host_memory
+        and type(device) is not type(src.device)
+    ):
+        return _through_host(dest, src)
     if not src.device.host_memory and type(device) is not type(src.device):
         device = src.device  # the destination can't read the source's memory: the source writes
     other = src.device if device is dest.device else dest.device
@@ -248,3 +259,21 @@ def transfer(dest: Buffer, src: Buffer) -> Fence:
     return device._submit(
         device.copy, [command], reads=[src], writes=[dest], also=also, waits=False
     )
+
+
+def _through_host(dest: Buffer, src: Buffer) -> Fence:
+    """Between two kinds of driver memory neither can address (cuda and opencl): the
+    source's copy queue copies out into a host array, and the destination's copy queue
+    waits for that on the loop, then copies it in. The destination timeline's Fence."""
+    if _capturing.get() is not None:
+        raise InvalidCommand(
+            f"transfer from {src.device.name} to {dest.device.name} goes through host memory "
+            "and can't be captured: capture a copyout and a copyin instead"
+        )
+    staging = np.empty(src.nbytes, np.uint8)
+    first = src.device._copyout(src.view(0, src.nbytes), staging)
+    host = host_ref(staging, dest.view(0, dest.nbytes), writable=False)
+    wait = cmd.Wait(signal=cast("Signal", first.signal), value=first.value)
+    copy = cmd.Copy(dest=dest, src=host, nbytes=dest.nbytes)
+    device = dest.device
+    return device._submit(device.copy, [wait, copy], writes=[dest], waits=True)

@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
 import attrs
 import numpy as np
 import numpy.typing as npt
@@ -41,12 +40,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from hcqa.batcher import Batcher
-from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
+from hcqa.errors import InvalidCommand
 from hcqa.serve.bodies import ClientGone, InputError, dumps_array, inflate, off_loop, read_body
-from hcqa.serve.http import DISCONNECT
-from hcqa.serve.inputs import from_json, from_raw
+from hcqa.serve.hosted import Hosted, Model, Unavailable, error_status
+from hcqa.serve.inputs import Shape, from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
-from hcqa.serve.v2 import V2, Model, Served
+from hcqa.serve.tensors import TensorSpec
+from hcqa.serve.v2 import V2, cancel_on_disconnect
 
 __all__ = ["make_app"]
 
@@ -74,40 +74,64 @@ class _Endpoints:
         st = self.st
         devices = st.device_rows()
         bad = [d["name"] for d in devices if d["faulted"] or d["hung"] or d["closed"]]
-        p = st.pipeline.statistics()
+        models = {m.name: m.unavailable() or "ready" for m in st.models}
+        down = [n for n, why in models.items() if why.startswith(("failed", "devices"))]
+        status = "unavailable" if bad or down else "ok"
+        if status == "ok" and any(why != "ready" for why in models.values()):
+            status = "starting"  # a model still builds (or recovers): alive, not ready
         doc = {
-            "status": "unavailable" if bad else "ok",
+            "status": status,
             "unavailable": bad,
             "uptime_s": round(time.monotonic() - st.started, 3),
             "requests_pending": st.pending,
             "requests_receiving": st.receiving,
-            "pipeline": {"depth": p.depth, "in_flight": p.in_flight, "completed": p.completed},
+            "models": models,
             "devices": devices,
         }
-        return _json(503 if bad else 200, doc)
+        p = st.first.target.statistics() if st.first.target is not None else None
+        if p is not None and hasattr(p, "in_flight"):
+            doc["pipeline"] = {"depth": p.depth, "in_flight": p.in_flight, "completed": p.completed}
+        return _json(503 if status == "unavailable" else 200, doc)
 
-    async def stats(self, request: Request) -> Response:
+    def _model_stats(self, m: Hosted) -> dict[str, Any]:
         st = self.st
-        lat = sorted(st.latencies)
+        lat = sorted(st.latencies[m.name])
         p50 = p99 = None  # nearest-rank percentiles in ms (numpy's "inverted_cdf")
         if lat:
             p50, p99 = (np.percentile(lat, [50, 99], method="inverted_cdf") * 1e3).tolist()
-        p = st.pipeline
-        doc = {
-            "input": {"shape": list(st.shape.sample_shape), "dtype": str(st.shape.dtype)},
-            "batch_input": {"shape": list(p.in_shape), "dtype": str(st.shape.dtype)},
-            "uptime_s": round(time.monotonic() - st.started, 3),
-            "requests_pending": st.pending,
-            "requests_receiving": st.receiving,
+        t = m.target
+        doc: dict[str, Any] = {"state": m.unavailable() or "ready"}
+        if t is not None:
+            doc["inputs"] = [_spec(s) for s in t.inputs]
+            doc["outputs"] = [_spec(s) for s in t.outputs]
+            if len(t.inputs) == 1:
+                s = t.inputs[0]
+                doc["input"] = {"shape": list(s.sample_shape), "dtype": str(s.dtype)}
+                doc["batch_input"] = {"shape": [t.rows, *s.sample_shape], "dtype": str(s.dtype)}
+        doc |= {
+            "requests_pending": st.pending_by[m.name],
             "infer_ms": {
                 "count": len(lat),
                 "p50": p50,
                 "p99": p99,
                 "max": lat[-1] * 1e3 if lat else None,
             },
-            "batcher": None if st.batcher is None else _plain(st.batcher.statistics()),
-            "pipeline": _plain(p.statistics()),
-            "devices": [_plain(d.statistics()) for d in st.devices],
+            "batcher": None if m.batcher is None else _plain(m.batcher.statistics()),
+        }
+        p = t.statistics() if t is not None else None
+        doc["pipeline"] = None if p is None else _plain(p)
+        doc["devices"] = [_plain(d.statistics()) for d in (t.devices if t is not None else ())]
+        return doc
+
+    async def stats(self, request: Request) -> Response:
+        st = self.st
+        models = {m.name: self._model_stats(m) for m in st.models}
+        doc = {
+            **models[st.first.name],  # the first model's, where /infer's clients look
+            "uptime_s": round(time.monotonic() - st.started, 3),
+            "requests_pending": st.pending,
+            "requests_receiving": st.receiving,
+            "models": models,
         }
         return _json(200, doc)
 
@@ -124,9 +148,7 @@ class _Endpoints:
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         if response.status_code == 200:
-            st.latencies.append(time.perf_counter() - t0)
-            if len(st.latencies) > 8192:
-                del st.latencies[:4096]
+            st.record(st.first, time.perf_counter() - t0)
         return response
 
     async def _infer(self, request: Request) -> Response:
@@ -137,112 +159,52 @@ class _Endpoints:
                 415, f"Content-Type must be {JSON_TYPE} or {RAW_TYPE} (got {ctype or 'none'})"
             )
         body = await read_body(request, st)
-        with st.admit():
+        with st.admit(st.first):
             return await self._admitted(request, ctype, body)
 
     async def _admitted(self, request: Request, ctype: str, body: bytes) -> Response:
-        st = self.st
+        st, m = self.st, self.st.first
+        try:
+            t = m.ready_target()
+        except Unavailable as exc:
+            return _error(503, str(exc))
+        if len(t.inputs) != 1 or len(t.outputs) != 1:
+            return _error(
+                400,
+                f"/infer serves models of one input and one output; model '{m.name}' has "
+                f"{len(t.inputs)} and {len(t.outputs)}: use POST /v2/models/{m.name}/infer",
+            )
+        spec = t.inputs[0]
+        shape = Shape(spec.sample_shape, spec.dtype)
         encoding = request.headers.get("content-encoding")
         if encoding is not None:  # gzip (every member), deflate: bounded by max_body once inflated
             body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
-        big = len(body) > _OFFLOAD_BYTES
         if ctype == RAW_TYPE:
-            x, single = from_raw(body, st.shape)
-        elif big:
-            x, single = await off_loop(st.limiter, from_json, body, st.shape)
+            x, single = from_raw(body, shape)
+        elif len(body) > _OFFLOAD_BYTES:
+            x, single = await off_loop(st.limiter, from_json, body, shape)
         else:
-            x, single = from_json(body, st.shape)
+            x, single = from_json(body, shape)
         del body
         try:
-            y = await self._cancel_on_disconnect(request, self._run, x, single)
-        except (InvalidCommand, TypeError) as exc:
-            return _error(400, str(exc))
-        except DeviceFault as exc:
-            return _error(500, f"DeviceFault: {exc}")
-        except (DeviceClosed, HcqaError) as exc:
-            return _error(503, f"{type(exc).__name__}: {exc}")
+            (y,) = await cancel_on_disconnect(request, m.run, (x[None] if single else x,))
+        except (ClientGone, InputError):
+            raise
+        except Exception as exc:
+            status, message = error_status(exc)
+            return _error(status, message)
+        if single:
+            y = y[0]
         if ctype == JSON_TYPE:
             out = await off_loop(st.limiter, _to_json, y) if y.size > 4096 else _to_json(y)
             return Response(out, media_type=JSON_TYPE)
-        shape = ",".join(map(str, y.shape))
-        headers = {"x-hcqa-shape": shape, "x-hcqa-dtype": str(y.dtype)}
+        headers = {"x-hcqa-shape": ",".join(map(str, y.shape)), "x-hcqa-dtype": str(y.dtype)}
         data = y.astype(y.dtype.newbyteorder("<"), copy=False).tobytes()
         return Response(data, headers=headers, media_type=RAW_TYPE)
 
-    async def _cancel_on_disconnect(
-        self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
-    ) -> npt.NDArray[Any]:
-        """``await fn(*args)``, cancelled if the client disconnects meanwhile."""
-        notify = request.scope.get("extensions", {}).get(DISCONNECT)
-        if notify is not None:  # hcqa's HTTP server cancels us itself: no watcher task
-            with anyio.CancelScope() as scope:
-                forget = notify(scope.cancel)
-                try:
-                    return await fn(*args)
-                finally:
-                    forget()
-            raise ClientGone
-        result: list[npt.NDArray[Any]] = []
-        error: list[BaseException] = []
 
-        async def watch(scope: anyio.CancelScope) -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch, tg.cancel_scope)
-            try:
-                result.append(await fn(*args))
-            except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
-                error.append(exc)
-            tg.cancel_scope.cancel()
-        if error:
-            raise error[0]
-        if not result:
-            raise ClientGone
-        return result[0]
-
-    async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]:
-        st = self.st
-        if single and st.batcher is not None:
-            return await st.batcher(x)
-        rows = x[None] if single else x
-        chunks = [rows[i : i + st.rows] for i in range(0, len(rows), st.rows)]
-        outs: list[npt.NDArray[Any] | None] = [None] * len(chunks)
-
-        async def one(i: int) -> None:
-            chunk = chunks[i]
-            if len(chunk) < st.rows:
-                padded = np.zeros((st.rows, *st.shape.sample_shape), st.shape.dtype)
-                padded[: len(chunk)] = chunk
-                chunk = padded
-            outs[i] = np.asarray(await st.pipeline(chunk))[: len(chunks[i])]
-
-        if len(chunks) == 1:
-            await one(0)
-        else:
-            errors: list[Exception] = []
-            left = iter(range(len(chunks)))
-
-            async def worker(scope: anyio.CancelScope) -> None:
-                # a few workers take the chunks in turn: one task per chunk would put tens of
-                # thousands of tasks on the loop for a big batch of small rows
-                try:
-                    for i in left:
-                        await one(i)
-                except Exception as exc:
-                    errors.append(exc)
-                    scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(min(len(chunks), max(1, int(st.pipeline.depth)))):
-                    tg.start_soon(worker, tg.cancel_scope)
-            if errors:
-                raise errors[0]
-        y = np.concatenate([o for o in outs if o is not None]) if len(outs) > 1 else outs[0]
-        assert y is not None
-        return y[0] if single else y
+def _spec(s: TensorSpec) -> dict[str, Any]:
+    return {"name": s.name, "shape": list(s.sample_shape), "dtype": str(s.dtype)}
 
 
 def _plain(stats: Any) -> Any:
@@ -275,15 +237,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error(exc.status_code, str(exc.detail))
 
 
-def _largest(pipeline: Any) -> Any:
-    """The pipeline itself, or the one with the largest batch of a list of them."""
-    if isinstance(pipeline, list | tuple):
-        if not pipeline:
-            raise InvalidCommand("serve needs a pipeline (got an empty list)")
-        return max(pipeline, key=lambda p: p.in_shape[0])
-    return pipeline
-
-
 def _version() -> str:
     from hcqa import __version__
 
@@ -291,7 +244,7 @@ def _version() -> str:
 
 
 def make_app(
-    pipeline: Any,
+    pipeline: Any = None,
     *,
     batcher: Batcher | None = None,
     max_pending: int | None = None,
@@ -300,48 +253,37 @@ def make_app(
     version: str = "1",
     models: Sequence[tuple[Model, Batcher | None]] = (),
     body_timeout: float = 30.0,
+    hosted: Sequence[Hosted] = (),
 ) -> ASGIApp:
-    """An ASGI app serving ``pipeline`` (a ``Pipeline`` or ``ProcessPipeline``).
+    """An ASGI app serving ``pipeline`` (a ``models.Model``, ``Pipeline``, ``ProcessPipeline``,
+    a list of pipelines as buckets, or an async batch callable: see :func:`hcqa.serve.serve`).
 
     ``/infer`` and the Open Inference Protocol's ``/v2/models/{name}/...`` serve it;
-    ``models``: more models for ``/v2`` only, each a :class:`~hcqa.serve.Model` (its
-    ``pipeline`` the largest of its batch sizes) with its own open batcher (or None).
+    ``models``: more models for ``/v2`` only, each a :class:`~hcqa.serve.Model` with its own
+    open batcher (or None). (``hosted``: the models as ``serve()`` keeps them, instead.)
 
     ``batcher``: single samples go through it (see :func:`hcqa.open_batcher`); without one
-    each runs alone. ``max_pending``: answer ``503`` to an ``/infer`` request when that many
+    each runs alone. ``max_pending``: answer ``503`` to an inference request when that many
     are already admitted (None: no limit); a request is admitted once its body has arrived.
-    ``max_body``: the largest request body accepted (default: 32 times the raw size of one
-    pipeline batch, at least 1 MiB; 413 past it). ``body_timeout``: seconds a request's body
-    may take to arrive, from its headers to its last byte (408 past it).
+    ``max_body``: the largest request body accepted (default: 32 times the raw size of the
+    largest model's batch, at least 1 MiB; 413 past it). ``body_timeout``: seconds a
+    request's body may take to arrive, from its headers to its last byte (408 past it).
     """
-    if not all(hasattr(pipeline, a) for a in ("in_shape", "dtype", "depth", "statistics")):
-        raise InvalidCommand(
-            f"make_app needs a hcqa.Pipeline or ProcessPipeline (got {type(pipeline).__name__})"
-        )
-    if len(pipeline.in_shape) < 1:
-        raise InvalidCommand(f"the pipeline needs a batch dimension (got in_shape {[]})")
     if max_pending is not None and (isinstance(max_pending, bool) or max_pending < 1):
         raise InvalidCommand(f"'max_pending' must be >= 1 or None (got {max_pending})")
+    if max_body is not None and (
+        isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1
+    ):
+        raise InvalidCommand(f"'max_body' must be an int >= 1 or None (got {max_body!r})")
     if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
         raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
-    state = State(
-        pipeline, batcher, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
-    )
-    served = [Served(name, version, state, _Endpoints)]
-    for model, model_batcher in models:
-        served.append(
-            Served.make(
-                model.name,
-                model.version,
-                _largest(model.pipeline),
-                model_batcher,
-                max_pending=max_pending,
-                max_body=max_body,
-                body_timeout=body_timeout,
-                endpoints=_Endpoints,
-            )
-        )
-    v2 = V2(served, _version())
+    if not hosted:
+        if pipeline is None:
+            raise InvalidCommand("make_app needs a model or pipeline to serve (got none)")
+        first = Hosted.ready_now(Model(name=name, pipeline=pipeline, version=version), batcher)
+        hosted = [first, *(Hosted.ready_now(m, b) for m, b in models)]
+    state = State(hosted, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout)
+    v2 = V2(state, _version())
     ep = _Endpoints(state)
     routes = [
         Route("/health", ep.health, methods=["GET"]),

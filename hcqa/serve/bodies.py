@@ -80,7 +80,9 @@ class ClientGone(Exception):
 class Limits(Protocol):
     """What :func:`read_body` reads from the app's state (:class:`hcqa.serve.metrics.State`)."""
 
-    max_body: int  # bytes
+    @property
+    def max_body(self) -> int: ...  # bytes
+
     body_timeout: float  # seconds
     receiving: int  # bodies being read now (read_body counts itself in)
 

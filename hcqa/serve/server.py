@@ -26,28 +26,34 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import stat
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from hcqa.batcher import Batcher, open_batcher
 from hcqa.devices.base import Device
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand, install_hint, sole_error
 from hcqa.pipeline import Pipeline, Stage
-from hcqa.serve.app import _largest, make_app
+from hcqa.serve.app import make_app
+from hcqa.serve.hosted import Hosted, Model
 from hcqa.serve.http import serve_http
-from hcqa.serve.v2 import Model
+from hcqa.serve.targets import is_model
+from hcqa.serve.v2 import NAME_PATTERN
 
 __all__ = ["mlp_pipeline", "serve"]
+
+log = logging.getLogger("hcqa.serve")
 
 
 async def serve(
@@ -64,32 +70,44 @@ async def serve(
     access_log: str | None = None,
     log_level: str = "WARNING",
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    handle_signals: bool = True,
     hypercorn_options: Mapping[str, Any] | None = None,
     http: str | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``pipeline`` over HTTP on ``host:port`` until cancelled or drained.
 
-    ``pipeline`` may be a list of :class:`~hcqa.serve.Model`: each is served under its name
-    by the Open Inference Protocol (``/v2/models/{name}/infer``) with a batcher of its own;
-    the first also answers ``/infer``. A lone pipeline is the model named ``"model"``.
+    What to serve: a :class:`hcqa.models.Model` (its own tensor names, shapes and batch
+    sizes), a ``Pipeline`` or ``ProcessPipeline``, a list of pipelines taking the same rows
+    in batches of different sizes (buckets, see :func:`hcqa.open_batcher`), an async batch
+    callable (declare its tensors with a :class:`~hcqa.serve.Model`'s ``inputs`` and
+    ``outputs``), or a list of :class:`~hcqa.serve.Model` (or of ``models.Model``, each
+    under its name): each is served by the Open Inference Protocol
+    (``/v2/models/{name}/infer``) with a batcher of its own; the first also answers
+    ``/infer``. A lone pipeline or callable is the model named ``"model"``.
+
+    The HTTP server starts at once (health endpoints answer); each model is built (a
+    ``Model``'s ``build``), warmed up and batched in the background, and is ready
+    (``/v2/models/{m}/ready``) only then. ``task_status.started(port)`` comes once every
+    model is ready. A model that fails to build ends ``serve`` with
+    :class:`~hcqa.serve.hosted.ModelFailed` naming the model and why.
 
     Single samples are batched (:func:`hcqa.open_batcher`, ``max_batch`` -- default the
-    pipeline's batch dimension -- and ``max_wait``); ``max_batch=1`` turns batching off.
-    ``pipeline`` may also be a list of pipelines taking the same rows in batches of different
-    sizes (buckets, see :func:`hcqa.open_batcher`); whole-batch requests use the largest.
+    model's largest batch -- and ``max_wait``); ``max_batch=1`` turns batching off.
     ``port=0`` picks a free port; ``await nursery.start(partial(serve, pipe, port=0))``
     returns the bound port. When ``shutdown_trigger()`` returns, the server drains: it stops
     accepting, answers the requests in flight (with ``Connection: close``) for up to
-    ``grace_period`` seconds, and returns as soon as they are answered. ``max_body``: the
-    largest request body (default: see :func:`hcqa.serve.make_app`). ``body_timeout``:
-    seconds a request's body may take to arrive (408 past it); a request is admitted (see
-    ``max_pending``) only once its body has arrived.
-    ``access_log``: ``"-"`` for stdout, a file path (appended to; created with mode 0600;
-    a symlink or anything but a regular file is refused with InvalidCommand), or None.
-    A single startup error
-    (``OSError`` for a port in use) is raised unwrapped. ``hypercorn_options`` sets more
-    attributes of hypercorn's ``Config`` (``certfile``, ``keep_alive_timeout``, ...).
+    ``grace_period`` seconds, and returns as soon as they are answered. Without a trigger,
+    SIGTERM and SIGINT start that drain (a second one stops at once) unless
+    ``handle_signals=False`` (for hosts that own the signals; only the main thread can
+    take them). ``max_body``: the largest request body (default: see
+    :func:`hcqa.serve.make_app`). ``body_timeout``: seconds a request's body may take to
+    arrive (408 past it); a request is admitted (see ``max_pending``) only once its body
+    has arrived. ``access_log``: ``"-"`` for stdout, a file path (appended to; created with
+    mode 0600; a symlink or anything but a regular file is refused with InvalidCommand), or
+    None. A single startup error (``OSError`` for a port in use) is raised unwrapped.
+    ``hypercorn_options`` sets more attributes of hypercorn's ``Config`` (``certfile``,
+    ``keep_alive_timeout``, ...).
 
     ``http``: the HTTP server: ``"hcqa"`` (:mod:`hcqa.serve.http`, lean HTTP/1.1, the
     default) or ``"hypercorn"`` (TLS, HTTP/2; the default when ``hypercorn_options`` are
@@ -104,6 +122,11 @@ async def serve(
         raise InvalidCommand(f"'grace_period' must be a finite number >= 0 (got {grace_period!r})")
     if not (isinstance(body_timeout, int | float) and 0 < body_timeout < math.inf):
         raise InvalidCommand(f"'body_timeout' must be a finite number > 0 (got {body_timeout!r})")
+    models = _models(pipeline, max_batch, max_wait)
+    hosted = [Hosted(m) for m in models]
+    app: Any = make_app(
+        hosted=hosted, max_pending=max_pending, max_body=max_body, body_timeout=body_timeout
+    )
     logger = None if access_log is None else _access_logger(access_log)
     if http == "hypercorn":
         start: Any = _hypercorn(host, port, grace_period, logger, log_level, hypercorn_options)
@@ -111,25 +134,23 @@ async def serve(
         start = partial(
             serve_http, host=host, port=port, grace_period=float(grace_period), access_log=logger
         )
-    models = _models(pipeline, max_batch, max_wait)
+    signals = shutdown_trigger is None and handle_signals
+    if signals and threading.current_thread() is not threading.main_thread():
+        signals = False  # only the main thread can take signals: the host owns them
     try:
-        async with AsyncExitStack() as stack:
-            batchers = [
-                await stack.enter_async_context(_maybe_batcher(m.pipeline, m.max_batch, m.max_wait))
-                for m in models
-            ]
-            first = models[0]
-            app: Any = make_app(
-                _largest(first.pipeline),
-                batcher=batchers[0],
-                max_pending=max_pending,
-                max_body=max_body,
-                body_timeout=body_timeout,
-                name=first.name,
-                version=first.version,
-                models=list(zip(models[1:], batchers[1:], strict=True)),
-            )
-            await _run(start, app, shutdown_trigger, grace_period, task_status)
+        with ExitStack() as exits, trio.CancelScope() as everything:
+            receiver = None
+            if signals:
+                receiver = exits.enter_context(trio.open_signal_receiver(*_SIGNALS))
+            async with trio.open_nursery() as nursery:
+                if receiver is not None:
+                    stop = trio.Event()
+                    nursery.start_soon(_watch_signals, receiver, stop, everything, grace_period)
+                    shutdown_trigger = stop.wait
+                for h in hosted:
+                    nursery.start_soon(h.keep)
+                await _run(start, app, hosted, shutdown_trigger, grace_period, task_status)
+                nursery.cancel_scope.cancel()  # drained: the models' batchers close
     except BaseExceptionGroup as group:  # nurseries wrap one error (port in use, Ctrl-C)
         raise sole_error(group) from None
     finally:
@@ -137,9 +158,27 @@ async def serve(
             handler.close()
 
 
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def _watch_signals(
+    receiver: Any, stop: trio.Event, everything: trio.CancelScope, grace_period: float
+) -> None:
+    """The first signal starts the drain; a second stops at once."""
+    async for signum in receiver:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("%s again: stopping now", name)
+            everything.cancel()
+            return
+        log.warning("%s: draining, up to %s s for requests in flight", name, grace_period)
+        stop.set()
+
+
 async def _run(
     start: Any,
     app: Any,
+    hosted: Sequence[Hosted],
     shutdown_trigger: Callable[[], Awaitable[None]] | None,
     grace_period: float,
     task_status: trio.TaskStatus[int],
@@ -147,6 +186,7 @@ async def _run(
     """Run the HTTP server until cancelled or, with a trigger, drained (see the notes)."""
     state = app.state
     draining = trio.Event()
+    anyio.current_time()  # anyio loads its trio backend now, not inside the first request
 
     async def trigger() -> None:
         assert shutdown_trigger is not None
@@ -158,6 +198,8 @@ async def _run(
         binds: list[str] = await nursery.start(
             partial(start, app, shutdown_trigger=None if shutdown_trigger is None else trigger)
         )
+        for h in hosted:  # the health endpoints answer meanwhile
+            await h.wait_ready()
         task_status.started(int(binds[0].rsplit(":", 1)[1]))
         if shutdown_trigger is None:
             return
@@ -218,22 +260,36 @@ def _access_logger(target: str) -> logging.Logger:
 
 
 def _models(pipeline: Any, max_batch: int | None, max_wait: float) -> list[Model]:
-    """What to serve as a list of models (a lone pipeline is the model "model")."""
+    """What to serve as a list of models (a lone pipeline or callable is the model "model")."""
     if isinstance(pipeline, Model):
         return [pipeline]
-    if (
-        isinstance(pipeline, list | tuple)
-        and pipeline
-        and all(isinstance(m, Model) for m in pipeline)
-    ):
-        names = [m.name for m in pipeline]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise InvalidCommand(f"model names must differ (got {', '.join(twice)} twice)")
-        return list(pipeline)
-    if isinstance(pipeline, list | tuple) and any(isinstance(m, Model) for m in pipeline):
-        raise InvalidCommand("serve takes a pipeline, a list of pipelines or a list of Models")
-    return [Model(name="model", pipeline=pipeline, max_batch=max_batch, max_wait=max_wait)]
+    many = isinstance(pipeline, list | tuple) and bool(pipeline)
+    if many and all(isinstance(m, Model) for m in pipeline):
+        found = list(pipeline)
+    elif many and all(is_model(m) for m in pipeline):
+        found = [
+            Model(name=_name_of(m), pipeline=m, max_batch=max_batch, max_wait=max_wait)
+            for m in pipeline
+        ]
+    elif many and any(isinstance(m, Model) or is_model(m) for m in pipeline):
+        raise InvalidCommand(
+            "serve takes one model or pipeline, a list of pipelines (buckets), or a list of "
+            f"models (got a mix: {[type(m).__name__ for m in pipeline]})"
+        )
+    else:
+        name = _name_of(pipeline) if is_model(pipeline) else "model"
+        return [Model(name=name, pipeline=pipeline, max_batch=max_batch, max_wait=max_wait)]
+    names = [m.name for m in found]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InvalidCommand(f"model names must differ (got {', '.join(twice)} twice)")
+    return found
+
+
+def _name_of(model: Any) -> str:
+    """A ``models.Model``'s name where it is a valid URL name, else ``"model"``."""
+    name = getattr(model, "name", None)
+    return name if isinstance(name, str) and NAME_PATTERN.fullmatch(name) else "model"
 
 
 class _LogFile(logging.StreamHandler):  # type: ignore[type-arg]
@@ -286,17 +342,6 @@ def _kind(st: os.stat_result) -> str:
         if test(st.st_mode):
             return name
     return "not a regular file"
-
-
-@asynccontextmanager
-async def _maybe_batcher(
-    pipeline: Any, max_batch: int | None, max_wait: float
-) -> AsyncIterator[Batcher | None]:
-    if max_batch == 1:
-        yield None
-        return
-    async with open_batcher(pipeline, max_batch=max_batch, max_wait=max_wait) as batcher:
-        yield batcher
 
 
 async def mlp_pipeline(

@@ -10,12 +10,15 @@ little-endian bytes after the JSON: the HTTP header ``Inference-Header-Content-L
 says where the JSON ends, and each binary input says its byte count in
 ``parameters.binary_data_size``, in the order of the inputs.
 
-:func:`parse_request` turns a body into an :class:`InferRequest` checked against a
-:class:`TensorSpec` for the model's input: the name, the datatype (exactly the model's:
-no silent conversion), the shape (``[n, *sample_shape]``, the batch dimension first),
-the number and kind of the elements (a boolean, a string or a fraction where integers
-are expected is refused by position). Every refusal is an :class:`InputError` 400 that
-says what was expected and what came.
+:func:`parse_request` turns a body into an :class:`InferRequest` checked against the
+:class:`TensorSpec` of each of the model's inputs (several, named, in any order): the name,
+the datatype, the shape (``[n, *sample_shape]``, the batch dimension first, the same ``n``
+for every input), the number and kind of the elements (a boolean, a string or a fraction
+where integers are expected is refused by position). The datatype must be the model's,
+but for integers of another width (``INT64`` token ids for an ``INT32`` input): they are
+converted when every value fits, and refused -- naming the tensor, the range they must
+fit and the range that came -- when one does not. Every refusal is an
+:class:`InputError` 400 that says what was expected and what came.
 
 :func:`encode_response` writes the answer: each requested output either as JSON
 ``data`` (flat, row-major) or, when the request asked for binary outputs (the request's
@@ -99,7 +102,7 @@ class InferRequest:
     """A checked request: the input rows and what the answer should look like."""
 
     id: str | None
-    x: npt.NDArray[Any]  # [n, *sample_shape]
+    xs: tuple[npt.NDArray[Any], ...]  # [n, *sample_shape], one per model input, in its order
     outputs: tuple[tuple[str, bool], ...] | None  # (name, binary) asked for; None: all
     binary_output: bool  # the request-level default for outputs
     timeout_us: int  # 0: none
@@ -123,10 +126,14 @@ def _flag(params: dict[str, Any], key: str, where: str) -> bool | None:
 
 
 def parse_request(
-    body: bytes, header_length: str | None, spec: TensorSpec, outputs: Sequence[str]
+    body: bytes,
+    header_length: str | None,
+    specs: Sequence[TensorSpec],
+    outputs: Sequence[str],
 ) -> InferRequest:
     """The request in ``body`` (JSON, then binary tensors if ``header_length`` is given),
-    checked against the model's input ``spec`` and its output names."""
+    checked against the model's input ``specs`` and its output names. Binary inputs take
+    the bytes after the JSON in the order the request lists them."""
     json_part, binary = _split(body, header_length)
     doc = loads_json(json_part)  # in bounded pieces: see hcqa.serve.bodies
     if not isinstance(doc, dict):
@@ -146,14 +153,36 @@ def parse_request(
             f"and <= {MAX_TIMEOUT} (got {shown})",
         )
     inputs = _field(doc, "inputs", list, "")
+    want = ", ".join(f"'{s.name}'" for s in specs)
     if not inputs:
-        raise InputError(400, f"expected 'inputs': a list with the tensor '{spec.name}'")
-    if len(inputs) != 1:
-        names = [i.get("name") if isinstance(i, dict) else i for i in inputs]
+        tensors = "the tensor" if len(specs) == 1 else "the tensors"
+        raise InputError(400, f"expected 'inputs': a list with {tensors} {want}")
+    by_name = {s.name: s for s in specs}
+    xs: dict[str, npt.NDArray[Any]] = {}
+    used = 0
+    after = memoryview(binary)
+    for i, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise InputError(400, f"inputs[{i}] must be an object with name, datatype, shape, data")
+        name = item.get("name")
+        spec = by_name.get(name) if isinstance(name, str) else None
+        if spec is None or not isinstance(name, str):
+            raise InputError(
+                400, f"unknown input {json.dumps(name)[:40]} (the model's inputs: {want})"
+            )
+        if name in xs:
+            raise InputError(400, f"input '{name}' is given twice")
+        xs[name], took = _input(item, after[used:], spec)
+        used += took
+    missing = [s.name for s in specs if s.name not in xs]
+    if missing:
         raise InputError(
-            400, f"expected one input, '{spec.name}' (got {len(inputs)}: {json.dumps(names)[:80]})"
+            400, f"expected the inputs {want} (got no {', '.join(repr(m) for m in missing)})"
         )
-    x, used = _input(inputs[0], binary, spec)
+    rows = {len(x) for x in xs.values()}
+    if len(rows) > 1:
+        sizes = ", ".join(f"'{k}' {len(v)}" for k, v in xs.items())
+        raise InputError(400, f"every input must have the same batch size (got {sizes})")
     if used != len(binary):
         raise InputError(
             400,
@@ -176,7 +205,8 @@ def parse_request(
             flag = _flag(oparams, "binary_data", f"output '{out['name']}' ")
             pairs.append((out["name"], binary_output if flag is None else flag))
         asked = tuple(pairs)
-    return InferRequest(request_id, x, asked, binary_output, timeout)
+    ordered = tuple(xs[s.name] for s in specs)
+    return InferRequest(request_id, ordered, asked, binary_output, timeout)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -194,19 +224,21 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def _input(doc: Any, binary: bytes, spec: TensorSpec) -> tuple[npt.NDArray[Any], int]:
+def _input(doc: Any, binary: bytes | memoryview, spec: TensorSpec) -> tuple[npt.NDArray[Any], int]:
     """The input's array (``[n, *sample_shape]``) and how many binary bytes it used."""
-    if not isinstance(doc, dict):
-        raise InputError(400, "inputs[0] must be an object with name, datatype, shape, data")
     name = doc.get("name")
-    if name != spec.name:
-        raise InputError(400, f"unknown input {json.dumps(name)[:40]} (expected '{spec.name}')")
     where = f"input '{name}': "
     datatype = doc.get("datatype")
     if datatype != spec.datatype:
-        raise InputError(
-            400, f"{where}expected datatype {spec.datatype} (got {json.dumps(datatype)[:40]})"
-        )
+        given = DATATYPES.get(datatype) if isinstance(datatype, str) else None
+        if given is None or given.kind not in "iu" or spec.dtype.kind not in "iu":
+            raise InputError(
+                400,
+                f"{where}expected datatype {spec.datatype} (got {json.dumps(datatype)[:40]}; "
+                "only integer datatypes are converted, when every value fits)",
+            )
+        x, took = _input(doc, binary, TensorSpec(spec.name, given, spec.sample_shape))
+        return _narrowed(x, spec, datatype, where), took
     shape = doc.get("shape")
     want = [-1, *spec.sample_shape]
     if (
@@ -259,6 +291,21 @@ def _input(doc: Any, binary: bytes, spec: TensorSpec) -> tuple[npt.NDArray[Any],
             400, f"{where}data must fit in {spec.datatype} (got {flat[i]!r} at element {i})"
         )
     return x.reshape(shape), 0
+
+
+def _narrowed(x: npt.NDArray[Any], spec: TensorSpec, given: str, where: str) -> npt.NDArray[Any]:
+    """Integers of another datatype as the model's, when every value fits: else a 400
+    naming the tensor, the range it must fit and the range that came."""
+    info = np.iinfo(spec.dtype)
+    if x.size:
+        lo, hi = int(x.min()), int(x.max())
+        if lo < info.min or hi > info.max:
+            raise InputError(
+                400,
+                f"{where}{given} values must fit in {spec.datatype}, [{info.min}, {info.max}], "
+                f"to be converted (got values in [{lo}, {hi}])",
+            )
+    return x.astype(spec.dtype)
 
 
 def _flatten(data: Any, shape: list[int], spec: TensorSpec, where: str) -> list[Any]:

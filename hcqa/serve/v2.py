@@ -2,32 +2,38 @@
 
 Theory of operation
 -------------------
-A served app holds one or more :class:`Served` models, each a pipeline (its largest batch
-size), its own batcher and its own :class:`~hcqa.serve.metrics.State` (admission counter,
-body limit, devices). :class:`V2` adds the protocol's routes to the app:
+A served app holds one or more models (:class:`~hcqa.serve.hosted.Hosted`: each with its
+own tensors, batcher and state of readiness) sharing the app's
+:class:`~hcqa.serve.metrics.State` (admission counter, body limit). :class:`V2` adds the
+protocol's routes to the app:
 
 - ``GET /v2/health/live`` (200 while the server runs) and ``/v2/health/ready`` (200 when
-  every model is ready, else 400 with the reason);
+  every model is built and its devices usable, else 400 with the reason);
 - ``GET /v2`` (server metadata: name, version, extensions);
-- ``GET /v2/models/{m}`` (model metadata: versions, platform, the input and output
-  tensors with ``-1`` for the batch dimension) and ``/v2/models/{m}/ready``;
+- ``GET /v2/models/{m}`` (model metadata: versions, platform, the model's own input and
+  output tensors with ``-1`` for the batch dimension) and ``/v2/models/{m}/ready``;
+- ``GET /v2/models/{m}/config`` (Triton's model configuration: ``max_batch_size``, the
+  tensors' ``dims`` without the batch dimension, ``dynamic_batching``, ``instance_group``)
+  and ``/v2/models/{m}/stats`` (Triton's statistics extension; ``/v2/models/stats`` for
+  every model);
 - ``POST /v2/models/{m}/infer`` (JSON tensors, or binary tensor data after the JSON:
   :mod:`hcqa.serve.tensors`);
 - ``POST /v2/repository/index`` (every model with its state).
 
 Each also answers under ``/v2/models/{m}/versions/{v}/...``. An infer request reads its
 body (bounded), parses and checks it (off the loop when large), is admitted (503 past
-``max_pending``), and runs as ``/infer`` runs: one row (``shape [1, ...]``) through the
-model's batcher, more rows directly in chunks of the pipeline's batch. The request's
-``parameters.timeout`` (microseconds, as Triton) bounds the run with a cancel scope: on
-expiry the request's work is cancelled -- a row still waiting in the batcher leaves it
-and never runs; one already dispatched is computed with its batch and dropped -- and the
-answer is 504 with the protocol's error body. A client that disconnects cancels its
-request the same way.
+``max_pending``), and runs through :meth:`Hosted.run`: one row (``shape [1, ...]``) through
+the model's batcher, more rows directly in chunks of the model's largest batch. The
+request's ``parameters.timeout`` (microseconds, as Triton) bounds the run with a cancel
+scope: on expiry the request's work is cancelled -- a row still waiting in the batcher
+leaves it and never runs; one already dispatched is computed with its batch and dropped --
+and the answer is 504 with the protocol's error body. A client that disconnects cancels
+its request the same way (:func:`cancel_on_disconnect`, which ``/infer`` uses too).
 
 Errors follow the protocol: a JSON object ``{"error": "..."}``; 400 for a request that
 can't be used (what was expected, what came), 404 for an unknown model or version, 503
-when admission or the devices refuse, 500 for a device fault.
+when admission refuses or the model is not ready, 500 for a device fault or a model's own
+error.
 """
 
 from __future__ import annotations
@@ -37,19 +43,18 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 import anyio
-import attrs
-import numpy as np
 import numpy.typing as npt
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from hcqa.batcher import Batcher
-from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
+from hcqa.errors import InvalidCommand
 from hcqa.serve.bodies import ClientGone, inflate, off_loop, read_body
+from hcqa.serve.hosted import Hosted, Model, Unavailable, error_status
+from hcqa.serve.http import DISCONNECT
 from hcqa.serve.inputs import InputError
 from hcqa.serve.metrics import State
 from hcqa.serve.tensors import (
@@ -59,7 +64,9 @@ from hcqa.serve.tensors import (
     parse_request,
 )
 
-__all__ = ["NAME_PATTERN", "V2", "Model", "Served"]
+__all__ = ["NAME_PATTERN", "V2", "Model", "cancel_on_disconnect"]
+
+T = TypeVar("T")
 
 JSON_TYPE = "application/json"
 RAW_TYPE = "application/octet-stream"
@@ -75,110 +82,27 @@ def _error(status: int, message: str) -> Response:
     return _json(status, {"error": " ".join(message.split())})
 
 
-def _output_of(pipeline: Any) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """The shape (batch dim first) and dtype of what ``pipeline`` returns."""
-    if hasattr(pipeline, "out_shape"):
-        return tuple(pipeline.out_shape), np.dtype(pipeline.out_dtype)
-    shape, dtype = pipeline.shapes[-1]  # a ProcessPipeline
-    return tuple(shape), np.dtype(dtype)
-
-
-@attrs.frozen(kw_only=True)
-class Model:
-    """A model for :func:`hcqa.serve.serve`: its ``name`` in the protocol's URLs, its
-    ``pipeline`` (a ``Pipeline``, a ``ProcessPipeline``, or a list of pipelines over the same
-    rows in batches of different sizes, see :func:`hcqa.open_batcher`), its ``version``, and
-    how its single samples are batched (``max_batch``: default the largest batch; 1: off)."""
-
-    name: str
-    pipeline: Any
-    version: str = "1"
-    max_batch: int | None = None
-    max_wait: float = 0.002
-
-
-class Rows(Protocol):
-    """What a served model runs its rows through: the ``/infer`` machinery of ``app.py``
-    (its batcher or its chunks), handed over by the app (this module sits below it)."""
-
-    async def _cancel_on_disconnect(
-        self, request: Request, fn: Callable[..., Awaitable[npt.NDArray[Any]]], *args: Any
-    ) -> npt.NDArray[Any]: ...
-
-    async def _run(self, x: npt.NDArray[Any], single: bool) -> npt.NDArray[Any]: ...
-
-
-class Served:
-    """One model of a served app: its name and version, state, tensors, and the ``/infer``
-    machinery its rows go through (``endpoints``: made by the app from ``state``)."""
-
-    def __init__(
-        self, name: str, version: str, state: State, endpoints: Callable[[State], Rows]
-    ) -> None:
-        for what, value in (("name", name), ("version", version)):
-            if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
-                raise InvalidCommand(
-                    f"a model's {what} must be 1-64 letters, digits, '_', '.' or '-' "
-                    f"(got {value!r})"
-                )
-        self.name = name
-        self.version = version
-        self.state = state
-        self.endpoints = endpoints(state)
-        self.input = TensorSpec("input", state.shape.dtype, state.shape.sample_shape)
-        out_shape, out_dtype = _output_of(state.pipeline)
-        self.output = TensorSpec("output", out_dtype, out_shape[1:])
-
-    @classmethod
-    def make(
-        cls,
-        name: str,
-        version: str,
-        pipeline: Any,
-        batcher: Batcher | None,
-        *,
-        max_pending: int | None,
-        max_body: int | None,
-        body_timeout: float = 30.0,
-        endpoints: Callable[[State], Rows],
-    ) -> Served:
-        state = State(
-            pipeline,
-            batcher,
-            max_pending=max_pending,
-            max_body=max_body,
-            body_timeout=body_timeout,
-        )
-        return cls(name, version, state, endpoints)
-
-    def unavailable(self) -> list[str]:
-        """The model's devices that faulted, hung or closed (empty: ready)."""
-        rows = self.state.device_rows()
-        return [d["name"] for d in rows if d["faulted"] or d["hung"] or d["closed"]]
-
-    def metadata(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": [self.version],
-            "platform": "hcqa",
-            "inputs": [self.input.metadata()],
-            "outputs": [self.output.metadata()],
-        }
-
-
 class _NotFound(Exception):
     pass
 
 
 class V2:
-    """The protocol's routes over ``models`` (the first answers ``/infer`` too)."""
+    """The protocol's routes over the app's models (the first answers ``/infer`` too)."""
 
-    def __init__(self, models: Sequence[Served], server_version: str) -> None:
-        self.models: dict[str, Served] = {}
-        for m in models:
-            if m.name in self.models:
-                raise InvalidCommand(f"two models are named {m.name!r}: names must differ")
-            self.models[m.name] = m
+    def __init__(self, state: State, server_version: str) -> None:
+        for m in state.models:
+            for what, value in (("name", m.name), ("version", m.version)):
+                if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+                    raise InvalidCommand(
+                        f"a model's {what} must be 1-64 letters, digits, '_', '.' or '-' "
+                        f"(got {value!r})"
+                    )
+        if len(state.by_name) != len(state.models):
+            names = [m.name for m in state.models]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidCommand(f"model names must differ (got {', '.join(twice)} twice)")
+        self.state = state
+        self.models = state.by_name
         self.server_version = server_version
 
     def routes(self) -> list[Route]:
@@ -187,16 +111,19 @@ class V2:
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.ready, methods=["GET"]),
             Route("/v2/repository/index", self.index, methods=["POST"]),
+            Route("/v2/models/stats", self.all_stats, methods=["GET"]),
         ]
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             routes += [
                 Route(base, self.model_metadata, methods=["GET"]),
                 Route(f"{base}/ready", self.model_ready, methods=["GET"]),
+                Route(f"{base}/config", self.model_config, methods=["GET"]),
+                Route(f"{base}/stats", self.model_stats, methods=["GET"]),
                 Route(f"{base}/infer", self.infer, methods=["POST"]),
             ]
         return routes
 
-    def _model(self, request: Request) -> Served:
+    def _model(self, request: Request) -> Hosted:
         name = request.path_params["model"]
         m = self.models.get(name)
         if m is None:
@@ -211,7 +138,7 @@ class V2:
         doc = {
             "name": "hcqa",
             "version": self.server_version,
-            "extensions": ["binary_tensor_data"],
+            "extensions": ["binary_tensor_data", "statistics", "model_configuration"],
         }
         return _json(200, doc)
 
@@ -222,37 +149,99 @@ class V2:
         bad = {m.name: u for m in self.models.values() if (u := m.unavailable())}
         if not bad:
             return Response(b"", 200)
-        why = "; ".join(f"model '{k}': devices {', '.join(v)} unusable" for k, v in bad.items())
+        why = "; ".join(f"model '{k}': {v}" for k, v in bad.items())
         return _error(400, f"not ready: {why}")
 
     async def index(self, request: Request) -> Response:
         rows = []
         for m in self.models.values():
-            bad = m.unavailable()
+            why = m.unavailable()
             rows.append(
                 {
                     "name": m.name,
                     "version": m.version,
-                    "state": "UNAVAILABLE" if bad else "READY",
-                    "reason": f"devices {', '.join(bad)} unusable" if bad else "",
+                    "state": "UNAVAILABLE" if why else "READY",
+                    "reason": why,
                 }
             )
         return _json(200, rows)
 
     async def model_metadata(self, request: Request) -> Response:
         try:
-            return _json(200, self._model(request).metadata())
+            m = self._model(request)
+            t = m.ready_target()
         except _NotFound as exc:
             return _error(404, str(exc))
+        except Unavailable as exc:
+            return _error(503, str(exc))
+        doc = {
+            "name": m.name,
+            "versions": [m.version],
+            "platform": t.platform,
+            "inputs": [s.metadata() for s in t.inputs],
+            "outputs": [s.metadata() for s in t.outputs],
+        }
+        return _json(200, doc)
+
+    async def model_config(self, request: Request) -> Response:
+        """Triton's model configuration: what tritonclient's ``get_model_config`` reads."""
+        try:
+            m = self._model(request)
+            t = m.ready_target()
+        except _NotFound as exc:
+            return _error(404, str(exc))
+        except Unavailable as exc:
+            return _error(503, str(exc))
+
+        def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+            return [
+                {"name": s.name, "data_type": f"TYPE_{s.datatype}", "dims": list(s.sample_shape)}
+                for s in specs
+            ]
+
+        kinds = {d.kind for d in t.devices}
+        group = {
+            "name": m.name,
+            "kind": "KIND_GPU" if kinds - {"cpu"} else "KIND_CPU",
+            "count": 1,
+            "devices": [d.name for d in t.devices],
+        }
+        doc: dict[str, Any] = {
+            "name": m.name,
+            "platform": t.platform,
+            "backend": t.backend,
+            "version_policy": {"specific": {"versions": [m.version]}},
+            "max_batch_size": t.rows,
+            "input": tensors(t.inputs),
+            "output": tensors(t.outputs),
+            "instance_group": [group],
+        }
+        batcher = m.batcher
+        if batcher is not None:
+            doc["dynamic_batching"] = {
+                "preferred_batch_size": [b for b in t.buckets if b <= batcher.max_batch],
+                "max_queue_delay_microseconds": int(batcher.max_wait * 1e6),
+            }
+        return _json(200, doc)
+
+    async def model_stats(self, request: Request) -> Response:
+        try:
+            m = self._model(request)
+        except _NotFound as exc:
+            return _error(404, str(exc))
+        return _json(200, {"model_stats": [m.triton_stats()]})
+
+    async def all_stats(self, request: Request) -> Response:
+        return _json(200, {"model_stats": [m.triton_stats() for m in self.models.values()]})
 
     async def model_ready(self, request: Request) -> Response:
         try:
             m = self._model(request)
         except _NotFound as exc:
             return _error(404, str(exc))
-        bad = m.unavailable()
-        if bad:
-            return _error(400, f"model '{m.name}' not ready: devices {', '.join(bad)} unusable")
+        why = m.unavailable()
+        if why:
+            return _error(400, f"model '{m.name}' not ready: {why}")
         return Response(b"", 200)
 
     async def infer(self, request: Request) -> Response:
@@ -260,23 +249,28 @@ class V2:
             m = self._model(request)
         except _NotFound as exc:
             return _error(404, str(exc))
-        st = m.state
+        st = self.state
         try:
             body = await read_body(request, st)  # 413, 408; ClientGone
-            with st.admit():  # 503: admitted once the body has arrived
+            with st.admit(m):  # 503: admitted once the body has arrived
                 return await self._admitted(request, m, body)
         except InputError as exc:
             return _error(exc.status, str(exc))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
 
-    async def _admitted(self, request: Request, m: Served, body: bytes) -> Response:
-        st = m.state
+    async def _admitted(self, request: Request, m: Hosted, body: bytes) -> Response:
+        st = self.state
+        try:
+            t = m.ready_target()
+        except Unavailable as exc:
+            return _error(503, str(exc))
         encoding = request.headers.get("content-encoding")
         if encoding is not None:  # tritonclient's request_compression_algorithm
             body = await off_loop(st.limiter, inflate, body, encoding, st.max_body)
         header = request.headers.get(HEADER_LENGTH)
-        args = (body, header, m.input, (m.output.name,))
+        names = [s.name for s in t.outputs]
+        args = (body, header, t.inputs, names)
         if len(body) > _OFFLOAD_BYTES:
             req = await off_loop(st.limiter, parse_request, *args)
         else:
@@ -284,15 +278,17 @@ class V2:
         del body, args
         t0 = time.perf_counter()
         try:
-            y = await self._run(request, m, req.x, req.timeout_us)
+            ys = await self._run(request, m, req.xs, req.timeout_us)
         except _Answer as answer:
             return answer.response
-        st.latencies.append(time.perf_counter() - t0)
-        if len(st.latencies) > 8192:
-            del st.latencies[:4096]
-        asked = req.outputs if req.outputs is not None else ((m.output.name, req.binary_output),)
-        outputs = [(name, y, binary) for name, binary in asked]
-        if y.nbytes > _OFFLOAD_BYTES and not all(b for _, _, b in outputs):
+        st.record(m, time.perf_counter() - t0)
+        by_name = dict(zip(names, ys, strict=True))
+        asked = req.outputs
+        if asked is None:
+            asked = tuple((name, req.binary_output) for name in names)
+        outputs = [(name, by_name[name], binary) for name, binary in asked]
+        size = sum(y.nbytes for _, y, b in outputs if not b)
+        if size > _OFFLOAD_BYTES:
             data, headers = await off_loop(
                 st.limiter, encode_response, m.name, m.version, req.id, outputs
             )
@@ -302,21 +298,16 @@ class V2:
         return Response(data, 200, headers, media_type=media)
 
     async def _run(
-        self, request: Request, m: Served, x: npt.NDArray[Any], timeout_us: int
-    ) -> npt.NDArray[Any]:
-        """The model's output rows for ``x``, within the request's timeout."""
-        ep = m.endpoints
-        single = len(x) == 1
+        self, request: Request, m: Hosted, xs: tuple[npt.NDArray[Any], ...], timeout_us: int
+    ) -> tuple[npt.NDArray[Any], ...]:
+        """The model's outputs for ``xs``, within the request's timeout."""
         limit = timeout_us / 1e6 if timeout_us else math.inf
         try:
             with anyio.move_on_after(limit) as scope:
-                y = await ep._cancel_on_disconnect(request, ep._run, x[0] if single else x, single)
-        except (InvalidCommand, TypeError) as exc:
-            raise _Answer(_error(400, str(exc))) from None
-        except DeviceFault as exc:
-            raise _Answer(_error(500, f"DeviceFault: {exc}")) from None
-        except (DeviceClosed, HcqaError) as exc:
-            raise _Answer(_error(503, f"{type(exc).__name__}: {exc}")) from None
+                ys = await cancel_on_disconnect(request, m.run, xs)
+        except Exception as exc:
+            status, message = error_status(exc)
+            raise _Answer(_error(status, message)) from None
         if scope.cancelled_caught:
             raise _Answer(
                 _error(
@@ -325,7 +316,40 @@ class V2:
                     "was cancelled",
                 )
             )
-        return y[None] if single else y
+        return ys
+
+
+async def cancel_on_disconnect(request: Request, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``await fn(*args)``, cancelled if the client disconnects meanwhile (ClientGone)."""
+    notify = request.scope.get("extensions", {}).get(DISCONNECT)
+    if notify is not None:  # hcqa's HTTP server cancels us itself: no watcher task
+        with anyio.CancelScope() as scope:
+            forget = notify(scope.cancel)
+            try:
+                return await fn(*args)
+            finally:
+                forget()
+        raise ClientGone
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        try:
+            result.append(await fn(*args))
+        except Exception as exc:  # raised below, not wrapped in an ExceptionGroup
+            error.append(exc)
+        tg.cancel_scope.cancel()
+    if error:
+        raise error[0]
+    if not result:
+        raise ClientGone
+    return result[0]
 
 
 class _Answer(Exception):

@@ -307,7 +307,7 @@ class Tracer(trio.abc.Instrument):
         if kind is cmd.Load:
             return "load", {"bytes": c.nbytes, "path": c.path}
         names = getattr(c, "names", None)
-        if isinstance(names, tuple):  # a native runner (crunner.RunC)
+        if isinstance(names, tuple):  # a fused run (devices/fusion.py; on cpu, crunner.RunC)
             known = self._native.get(names)
             if known is None:
                 counts = {n: names.count(n) for n in dict.fromkeys(names)}

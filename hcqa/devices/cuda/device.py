@@ -48,7 +48,7 @@ import trio
 
 from hcqa.devices.base import Device
 from hcqa.devices.cuda import driver as drv
-from hcqa.devices.cuda.executor import CuExecutor, Segment, _Temp
+from hcqa.devices.cuda.executor import CuExecutor, Segment, StreamWait, _Pinned, _Temp
 from hcqa.devices.cuda.memory import CuAllocator
 from hcqa.devices.cuda.program import CuProgram, build
 from hcqa.devices.program import Program
@@ -66,6 +66,7 @@ class CudaDevice(Device):
 
     kind = "cuda"
     host_memory = False  # buffers are device memory: the host can't address them
+    driver_waits = True  # a Wait between its own two streams is kept on the GPU
 
     def __init__(self, name: str, **options: Any) -> None:
         index = int(name.partition(":")[2].partition("#")[0])
@@ -98,6 +99,9 @@ class CudaDevice(Device):
         self._loop = -1
         self._fd_closed = False
         self._released = False
+        # copies into host memory enqueued and not yet processed: while any is, a small
+        # copy-in reads its host array in stream order too, not at once (it may be that one)
+        self._host_writes = 0
         try:
             options["host_visible"] = False
             super().__init__(name, **options)
@@ -135,6 +139,31 @@ class CudaDevice(Device):
             self, name, module, function, params,
             writes=options.get("writes"), reads=options.get("reads"),
         )  # fmt: skip
+
+    def _driver_wait(self, actor: Any, signal: Any, value: int) -> StreamWait | None:
+        """The seam's driver-side wait: for a Wait of one of this device's queues on the
+        other's queue signal whose producer is already on that stream, record an event
+        there now (it captures all of that work) and hand the waiting queue a
+        ``StreamWait`` (``cuStreamWaitEvent``) in the Wait's place. None otherwise: the
+        actor awaits it on the host (a signal of another device, the host, another
+        process; a producer not yet handed to the driver). One device, one sticky error:
+        a producer refused by the driver faults the waiter's device too."""
+        if self._error is not None:
+            return None
+        other = next(
+            (e for e in self._executors() if e is not actor.engine and e.own is signal), None
+        )
+        if other is None or other.enqueued < value or other.error is not None:
+            return None
+        with other._lock:  # (no lock is held while this one is taken)
+            drv.current(self.cu_context)
+            ev = self._take_event()
+            try:
+                drv.check("cuEventRecord", self._driver.cuEventRecord(ev, other.stream))
+            except drv.CudaError:
+                self._free_events.append(ev)
+                return None
+        return StreamWait(ev, signal, value)
 
     # -- clocks ------------------------------------------------------------------------------
 
@@ -248,6 +277,10 @@ class CudaDevice(Device):
         if pending and pending[0].words[drv.FIRED] and threading.get_ident() == self._loop:
             self._drain([executor])
 
+    def _tidy_all(self) -> None:
+        for ex in self._executors():
+            self._tidy(ex)
+
     def _drain(self, executors: list[CuExecutor]) -> bool:
         progress = False
         for ex in executors:
@@ -258,8 +291,11 @@ class CudaDevice(Device):
                 self._sample(seg)
                 ex.complete(seg)
                 self._free_events.extend(seg.events)
+                self._host_writes -= seg.hostw
                 for k in seg.keep:
-                    if type(k) is _Temp:
+                    if type(k) is _Pinned:
+                        k.executor._blocks.append(k.block)
+                    elif type(k) is _Temp:
                         self.allocator.free(k.block)  # type: ignore[arg-type]
                 seg.keep = []
                 if seg.words[drv.DONE]:

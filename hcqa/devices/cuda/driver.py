@@ -56,7 +56,7 @@ __all__ = [
 WORDS = 20
 FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
 TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
-TL2_FN, TL2_ARG, TL2_SEQ, DONE = 15, 16, 17, 19
+TL2_FN, TL2_ARG, TL2_SEQ, PRE, DONE = 15, 16, 17, 18, 19
 MAX_STORES = 2
 
 _lock = threading.Lock()
@@ -169,9 +169,27 @@ def context(index: int) -> tuple[Any, Any]:
         found = _contexts.get(index)
         if found is None:
             dev = check("cuDeviceGet", driver.cuDeviceGet(index))
+            _schedule(driver, dev)
             ctx = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(dev))
             found = _contexts[index] = (dev, ctx)
     return found
+
+
+_SCHED = {"spin": "CU_CTX_SCHED_SPIN", "yield": "CU_CTX_SCHED_YIELD",
+          "blocking": "CU_CTX_SCHED_BLOCKING_SYNC"}  # fmt: skip
+
+
+def _schedule(driver: Any, dev: Any) -> None:
+    """``HCQA_CUDA_SCHED`` (spin, yield, blocking): how the driver's threads wait for the GPU
+    in the primary context (``cuDevicePrimaryCtxSetFlags``; it applies only before the context
+    is first made active in the process). Unset: the driver's default (auto)."""
+    name = os.environ.get("HCQA_CUDA_SCHED", "")
+    if not name:
+        return
+    if name not in _SCHED:
+        raise InvalidCommand(f"HCQA_CUDA_SCHED must be one of {', '.join(_SCHED)} (got {name!r})")
+    flag = int(getattr(driver.CUctx_flags, _SCHED[name]))
+    check("cuDevicePrimaryCtxSetFlags", driver.cuDevicePrimaryCtxSetFlags(dev, flag))
 
 
 def current(ctx: Any) -> None:
@@ -237,8 +255,13 @@ class _Native:
             raise CudaError(f"cuLaunchHostFunc failed: {error_name(code)}", code)
 
 
-def _py_complete(user: int) -> None:  # the fallback: mark fired, wake the pump, done
+def _py_complete(user: int) -> None:  # the fallback: copies, mark fired, wake the pump, done
     words = (ctypes.c_uint64 * WORDS).from_address(user)
+    if words[PRE]:
+        count = int(ctypes.c_uint64.from_address(int(words[PRE])).value)
+        pre = (ctypes.c_uint64 * (1 + 3 * count)).from_address(int(words[PRE]))
+        for i in range(count):
+            ctypes.memmove(int(pre[1 + 3 * i]), int(pre[2 + 3 * i]), int(pre[3 + 3 * i]))
     words[HOST_NS] = time_ns()
     words[FIRED] = 1
     os.eventfd_write(int(words[FD]), 1)
@@ -304,7 +327,7 @@ class SlotTable:
             )
         words, address = self._free.pop()
         words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
-        words[TL_FN] = words[TL2_FN] = 0
+        words[TL_FN] = words[TL2_FN] = words[PRE] = 0
         words[WAKE] = 1
         words[FD] = self.fd
         self.in_use += 1
@@ -317,6 +340,6 @@ class SlotTable:
     def abandon(self, words: Words) -> None:
         """A slot whose host function may run at any time, even after the device is gone."""
         words[FD] = _dead()
-        words[NSTORES] = words[TL_FN] = words[TL2_FN] = 0
+        words[NSTORES] = words[TL_FN] = words[TL2_FN] = words[PRE] = 0
         _abandoned.append(self._pages)
         self.in_use -= 1

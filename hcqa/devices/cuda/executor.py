@@ -56,20 +56,33 @@ from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
 
-__all__ = ["STAGING", "CuExecutor", "Segment"]
+__all__ = ["SMALL", "STAGING", "CuExecutor", "Segment", "StreamWait"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _ALIGN = mmap.ALLOCATIONGRANULARITY
 _NO_HANDLERS: dict[type, Any] = {}
 STAGING = 8 << 20  # bytes of pinned staging memory per stream (allocated at the first host copy)
+SMALL = 256 << 10  # a host copy up to this size goes through a pinned block of its own
+
+
+class StreamWait:
+    """In a run in the place of a ``Wait``: this stream waits on the GPU for ``event``, recorded
+    on the producing stream once the producer's work was on it (``CudaDevice._driver_wait``)."""
+
+    __slots__ = ("event", "signal", "value")
+
+    def __init__(self, event: Any, signal: Any, value: int) -> None:
+        self.event = event
+        self.signal = signal
+        self.value = value
 
 
 class Segment:
     """Stream work up to a host function, and what to do once it ran."""
 
-    __slots__ = ("address", "books", "end", "events", "flows", "foreign", "keep", "temps",
-                 "traced", "what", "words")  # fmt: skip
+    __slots__ = ("address", "books", "end", "events", "flows", "foreign", "hostw", "keep",
+                 "temps", "traced", "what", "words")  # fmt: skip
 
     def __init__(self, books: list[tuple[Any, ...]], keep: list[Any], what: str) -> None:
         self.traced: list[tuple[Any, Any, Any]] | None = None  # (command, start, end event)
@@ -82,6 +95,7 @@ class Segment:
         self.end: Any = None  # an event right before the host function (times, clock samples)
         self.events: list[Any] = []  # pooled events this segment recorded
         self.temps: list[CuMemory] = []  # device blocks freed once it completed (a bounce)
+        self.hostw = 0  # copies into host memory it makes (see ``CudaDevice._host_writes``)
         self.words: Any = None
         self.address = 0
         self.foreign: tuple[Any, int] | None = None
@@ -113,6 +127,13 @@ class CuExecutor:
         self._launch = self._driver.cuLaunchKernel
         self._staging = 0  # pinned host memory (address), made at the first host copy
         self.segments = 0  # segments closed (every 256th samples the clocks)
+        self._blocks: list[int] = []  # free pinned blocks of SMALL bytes
+        self._all_blocks: list[int] = []
+        self._post: list[tuple[int, int, int]] = []  # the open segment's copies out of blocks
+        self._hostw = 0  # the open segment's copies into host memory
+        self.enqueued = 0  # the highest value of this queue's signal handed to the stream
+        self.own: Signal | None = None  # that signal (known from the first run)
+        self.device_waits = 0  # Waits ordered on the GPU (``StreamWait``)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -180,6 +201,7 @@ class CuExecutor:
         what = ""
         busy = False  # stream work since the last segment
         stream, launch = self.stream, self._launch
+        own = self.own = self.device._queues[self.kind].signal
         for i, c in enumerate(run):
             if self.error is not None:
                 self._skip(run[i:], self.error)
@@ -219,10 +241,24 @@ class CuExecutor:
                 what = what or _describe(c)
             elif kind is _SIGNAL:
                 books.append(("signal", c.signal, c.value))
+                if c.signal is own and c.value > self.enqueued:
+                    self.enqueued = c.value
             elif kind is _STEP:
                 books.append(("step", c.timeline, c.seq))
             elif kind is _STAMP:
                 books.append(("stamp", c.signal, self._event(seg_events)))
+            elif kind is StreamWait:  # a Wait the device keeps (``CudaDevice._driver_wait``)
+                try:
+                    drv.check(
+                        "cuStreamWaitEvent", self._driver.cuStreamWaitEvent(stream, c.event, 0)
+                    )
+                    self.device_waits += 1
+                except BaseException as exc:
+                    self._on_fault(c, exc)
+                    self._skip(run[i:], self.error)
+                    break
+                finally:  # the wait took the event's state at the call: it may be recorded again
+                    self.device._free_events.append(c.event)
             elif kind is not _BARRIER:  # (a stream orders memory at command ends)
                 unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
                 self._on_fault(c, unknown)
@@ -251,8 +287,16 @@ class CuExecutor:
         """End a segment here: its host function, after an event when times are needed."""
         seg = Segment(books, keep, what or "marker")
         seg.events = events
+        seg.hostw, self._hostw = self._hostw, 0
         seg.words, seg.address = words, _ = self.device._slots.take()
         self.segments += 1
+        if self._post:  # small copy-outs: their host half, made first by the host function
+            post, self._post = self._post, []
+            pre = (ctypes.c_uint64 * (1 + 3 * len(post)))(len(post))
+            for i, (dest, src, n) in enumerate(post):
+                pre[1 + 3 * i], pre[2 + 3 * i], pre[3 + 3 * i] = dest, src, n
+            keep.append(pre)
+            words[drv.PRE] = ctypes.addressof(pre)
         timed = traced is not None or any(b[0] == "stamp" for b in books)
         if timed or self.device._wants_sample(self.segments):
             seg.end = self._event(events)
@@ -355,11 +399,39 @@ class CuExecutor:
                 dest.va_addr, src.va_addr, n, stream))  # fmt: skip
             return
         if d is not None:
-            self._staged(dest.va_addr, _host_address(src, n, keep), n, keep, to_device=True)
+            host = _host_address(src, n, keep)
+            if self.device._host_writes:  # the copy-outs done by now are processed first
+                self.device._tidy_all()
+            if n > SMALL or self.device._host_writes:  # (a copy-out may still write it)
+                self._staged(dest.va_addr, host, n, keep, to_device=True)
+                return
+            block = self._block(keep)  # copied now: the stream reads the block, not the array
+            ctypes.memmove(block, host, n)
+            drv.check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(
+                dest.va_addr, block, n, stream))  # fmt: skip
         elif s is not None:
-            self._staged(_host_address(dest, n, keep), src.va_addr, n, keep, to_device=False)
+            host = _host_address(dest, n, keep)
+            self.device._host_writes += 1  # host memory written in stream order, not yet done
+            self._hostw += 1
+            if n > SMALL:
+                self._staged(host, src.va_addr, n, keep, to_device=False)
+                return
+            block = self._block(keep)  # the segment's host function copies it to the array
+            drv.check("cuMemcpyDtoHAsync", driver.cuMemcpyDtoHAsync(
+                block, src.va_addr, n, stream))  # fmt: skip
+            self._post.append((host, block, n))
         else:
             raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
+
+    def _block(self, keep: list[Any]) -> int:
+        """A pinned block of SMALL bytes, back in the pool once its segment completed."""
+        if not self._blocks:
+            block = int(drv.check("cuMemHostAlloc", self._driver.cuMemHostAlloc(SMALL, 0)))
+            self._all_blocks.append(block)
+            self._blocks.append(block)
+        block = self._blocks.pop()
+        keep.append(_Pinned(self, block))
+        return block
 
     def pending_temp(self, keep: list[Any], block: CuMemory) -> None:
         keep.append(_Temp(block))
@@ -405,17 +477,23 @@ class CuExecutor:
         self._staged(c.dest.va_addr, host.ctypes.data, c.nbytes, keep, to_device=True)
 
     def free_staging(self) -> None:
-        """Free the pinned staging memory (the stream is idle: the device is closing)."""
+        """Free the pinned staging memory and blocks (the stream is idle: the device is
+        closing)."""
+        drv.current(self.device.cu_context)
+        blocks, self._all_blocks, self._blocks = self._all_blocks, [], []
         if self._staging:
-            staging, self._staging = self._staging, 0
-            drv.current(self.device.cu_context)
-            drv.check("cuMemFreeHost", self._driver.cuMemFreeHost(staging))
+            blocks.append(self._staging)
+            self._staging = 0
+        for block in blocks:
+            self._driver.cuMemFreeHost(block)  # (a broken context's error: ignored)
 
     def _skip(self, commands: list[Any], error: BaseException | None) -> None:
         """Not running ``commands``: break their signals; complete other devices' steps."""
         for c in commands:
             kind = type(c)
-            if kind is _SIGNAL and error is not None:
+            if kind is StreamWait and c.event not in self.device._free_events:
+                self.device._free_events.append(c.event)
+            elif kind is _SIGNAL and error is not None:
                 c.signal._break(error)
             elif kind is _STEP and c.timeline is not self.timeline:
                 c.timeline.complete(c.seq)
@@ -470,6 +548,16 @@ class CuExecutor:
         if seg.foreign is not None:  # the other device may close
             tl, seq = seg.foreign
             tl._native.tl_complete(tl.c_address, seq, 1)
+
+
+class _Pinned:
+    """A pinned block a segment uses: back to its executor's pool once the segment completed."""
+
+    __slots__ = ("block", "executor")
+
+    def __init__(self, executor: CuExecutor, block: int) -> None:
+        self.executor = executor
+        self.block = block
 
 
 class _Temp:

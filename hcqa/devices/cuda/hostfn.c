@@ -5,7 +5,8 @@
  *
  *   [0] fired  [1] status  [2] fd  [3] n stores  [4 + 3i] store i: value address, value, eventfd
  *   [10..12] a C timeline completion (fn, timeline, seq)  [13] host_ns  [14] wake
- *   [15..17] another device's C timeline step (fn, timeline, seq)  [19] done (last touch)
+ *   [15..17] another device's C timeline step (fn, timeline, seq)  [18] host copies to make
+ *   first (see below)  [19] done (last touch)
  *
  * A host function runs only once the stream reached it, so there is no failure status: a kernel
  * that faults leaves the context broken and the host functions behind it never run (the device's
@@ -19,6 +20,15 @@
 
 void hcqa_cu_complete(void *user) {
     uint64_t *slot = (uint64_t *)user;
+    /* [18]: host copies to make first (a small copy-out's pinned block to its host array):
+     * {count, then dest, src, nbytes per copy}; 0: none */
+    const uint64_t *pre = (const uint64_t *)(uintptr_t)slot[18];
+    if (pre != 0) {
+        for (uint64_t i = 0; i < pre[0]; i++) {
+            memcpy((void *)(uintptr_t)pre[1 + 3 * i], (const void *)(uintptr_t)pre[2 + 3 * i],
+                   (size_t)pre[3 + 3 * i]);
+        }
+    }
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
     slot[13] = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;

@@ -163,7 +163,32 @@ def build(
     except drv.CudaError as exc:
         kind = "machine code" if cubin else "PTX"
         raise InvalidCommand(f"program {name!r}: the driver refused its {kind}: {exc}") from exc
+    _check_layout(driver, function, entry, params)
     return module, function, params
+
+
+def _check_layout(driver: Any, function: Any, entry: str, params: list[tuple[str, Any]]) -> None:
+    """Refuse a kernel whose compiled parameters differ from what the source was read as
+    (count or sizes: a macro, a typedef, an overload the reading got wrong), which would
+    launch it with misplaced arguments. The driver says through ``cuFuncGetParamInfo``
+    (CUDA 12.4+); without it the reading stands alone."""
+    try:
+        sizes = []
+        for i in range(len(params) + 1):
+            result = driver.cuFuncGetParamInfo(function, i)
+            if int(result[0]) != 0:
+                break
+            sizes.append(int(result[2]))
+    except Exception:  # an older driver or bindings: nothing to compare with
+        return
+    if not sizes and params:
+        return  # the call is there but answers nothing: no layout to compare
+    want = [8 if t is None else np.dtype(t).itemsize for _, t in params]
+    if sizes != want:
+        raise InvalidCommand(
+            f"kernel {entry!r}: its compiled parameters must be what the source reads as "
+            f"{[n for n, _ in params]} (sizes {want} bytes; got sizes {sizes})"
+        )
 
 
 def _compile(nvrtc: Any, prog: Any, name: str, arch: tuple[int, int]) -> tuple[bytes, bool]:

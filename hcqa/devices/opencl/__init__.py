@@ -11,7 +11,8 @@
 * ``executor.py`` -- :class:`~hcqa.devices.opencl.executor.ClExecutor`: a run of commands
   enqueued as driver commands, no thread of its own; ``copies.py`` -- copies and loads as
   driver commands; ``completion.py`` -- segments, completed by the driver's callback or the
-  pump.
+  pump; ``waits.py`` -- Waits the driver keeps (a cross-queue wait as an event wait list,
+  the backend's ``_driver_wait`` fast path).
 
 Everything else -- queues, timeline, hazards, faults, hang limits, capture -- is the
 backend-free core in :mod:`hcqa.devices`; see docs/architecture.md, "The backend seam".

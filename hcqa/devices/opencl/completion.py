@@ -18,13 +18,16 @@ attributes declared below.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hcqa.actors import engine as _engine
-from hcqa.devices.opencl import runtime
+from hcqa.devices.opencl import runtime, waits
 from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
+
+if TYPE_CHECKING:
+    from hcqa.devices.opencl.waits import Gate
 
 __all__ = ["Completion", "Segment"]
 
@@ -32,7 +35,10 @@ __all__ = ["Completion", "Segment"]
 class Segment:
     """Driver commands up to ``event`` and the work to do once it completed."""
 
-    __slots__ = ("address", "books", "event", "flows", "foreign", "keep", "traced", "what", "words")
+    __slots__ = (
+        "address", "books", "event", "flows", "foreign", "gates", "keep", "own", "traced",
+        "what", "words",
+    )  # fmt: skip
 
     def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
         self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
@@ -45,6 +51,8 @@ class Segment:
         self.words: Any = None
         self.address = 0
         self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
+        self.own = 0  # the value it sets its queue's signal to (0: none): what Gates look for
+        self.gates: list[Gate] | None = None  # waits the driver kept for its commands
 
 
 class Completion:
@@ -160,6 +168,8 @@ class Completion:
         offset = self.device.clock_offset_ns()
         if seg.flows:
             track.pending = seg.flows
+        if seg.gates:  # waits the driver kept: arrows from their producers' last ranges
+            track.pending = [*(track.pending or ()), *waits.sources(hook, seg.gates)]
         for command, event in seg.traced or ():
             profile = event.profile
             hook._range(track, command, profile.start + offset, profile.end + offset, None)
@@ -169,13 +179,17 @@ class Completion:
 
     def fail(self, seg: Segment, status: int, *, called_back: bool = True) -> None:
         """The driver failed ``seg``'s commands: fault the device, skip the bookkeeping
-        (``called_back``: False when its callback never ran and never will)."""
-        fault = DeviceFault(
-            f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
-            f"driver reported execution status {status} for it",
-            device=self.device.name,
-            queue=self.kind,
-        )
+        (``called_back``: False when its callback never ran and never will). A segment that
+        waited in the driver for another queue failed because a producer did, when one did:
+        its fault is then the producer's, the very instance (``waits.producers_fault``)."""
+        fault = waits.producers_fault(self, seg.gates)  # type: ignore[arg-type]
+        if fault is None:
+            fault = DeviceFault(
+                f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
+                f"driver reported execution status {status} for it",
+                device=self.device.name,
+                queue=self.kind,
+            )
         self.device._fault(fault)
         for book in seg.books:
             if book[0] == "signal":

@@ -45,46 +45,55 @@ class DriverCopies:
     _cl: Any
     _low: Any
 
-    def _enqueue(self, c: Any, keep: list[Any]) -> Any:
-        """A copy or a load: its driver command's event (``keep`` gets what it touches)."""
+    def _enqueue(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
+        """A copy or a load, after the events ``wait_for``: its driver command's event
+        (``keep`` gets what it touches)."""
         kind = type(c)
         if kind is _COPY:
-            return self._copy(c.dest, c.src, c.nbytes, keep)
-        return self._load(c, keep)
+            return self._copy(c.dest, c.src, c.nbytes, keep, wait_for)
+        return self._load(c, keep, wait_for)
 
-    def _copy(self, dest: Any, src: Any, n: int, keep: list[Any]) -> Any:
+    def _copy(
+        self, dest: Any, src: Any, n: int, keep: list[Any], wait_for: list[Any] | None
+    ) -> Any:
         """The driver's own entry points, not ``pyopencl.enqueue_copy`` (which dispatches on
         its arguments' types in Python first): a host end is a non-blocking write or read."""
         low = self._low
         d_mem, s_mem = _device_memory(dest), _device_memory(src)
         if d_mem is not None and s_mem is not None:
             if d_mem is s_mem and abs(dest.offset - src.offset) < n:  # overlapping: as memmove
-                if dest.offset == src.offset:
-                    return low._enqueue_marker(self.queue)  # a copy onto itself: nothing to move
+                if dest.offset == src.offset:  # a copy onto itself: nothing to move
+                    return low._enqueue_marker_with_wait_list(self.queue, wait_for)
                 bounce = self._cl.Buffer(self.device.context, self._cl.mem_flags.READ_WRITE, n)
                 keep.append(bounce)
-                low._enqueue_copy_buffer(self.queue, s_mem.clbuf, bounce, n, src.offset, 0, None)
+                keep.append(
+                    low._enqueue_copy_buffer(
+                        self.queue, s_mem.clbuf, bounce, n, src.offset, 0, wait_for
+                    )
+                )
                 return low._enqueue_copy_buffer(
                     self.queue, bounce, d_mem.clbuf, n, 0, dest.offset, None
                 )
             return low._enqueue_copy_buffer(
-                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, None
+                self.queue, s_mem.clbuf, d_mem.clbuf, n, src.offset, dest.offset, wait_for
             )
         if d_mem is not None:
             host = _host_array(src, n)
             nanny = low._enqueue_write_buffer(
-                self.queue, d_mem.clbuf, host, dest.offset, None, False
+                self.queue, d_mem.clbuf, host, dest.offset, wait_for, False
             )
         elif s_mem is not None:
             host = _host_array(dest, n)
-            nanny = low._enqueue_read_buffer(self.queue, s_mem.clbuf, host, src.offset, None, False)
+            nanny = low._enqueue_read_buffer(
+                self.queue, s_mem.clbuf, host, src.offset, wait_for, False
+            )
         else:
             raise TypeError(f"{self.name}: a copy between two host ends belongs to a cpu device")
         keep.append(host)
         keep.append(nanny)  # dropped only once completed (its destructor would block)
         return nanny
 
-    def _load(self, c: Any, keep: list[Any]) -> Any:
+    def _load(self, c: Any, keep: list[Any], wait_for: list[Any] | None) -> Any:
         mem = _device_memory(c.dest)
         assert mem is not None
         start = c.offset - c.offset % _ADDRESS_ALIGN
@@ -98,7 +107,7 @@ class DriverCopies:
             os.close(fd)
         host = np.frombuffer(mapping, dtype=np.uint8, count=c.nbytes, offset=skip)
         nanny = self._low._enqueue_write_buffer(
-            self.queue, mem.clbuf, host, c.dest.offset, None, False
+            self.queue, mem.clbuf, host, c.dest.offset, wait_for, False
         )
         keep.extend((nanny, host, mapping))  # the nanny goes first, the mapping last
         return nanny

@@ -64,6 +64,7 @@ class OpenCLDevice(Device):
 
     kind = "opencl"
     host_memory = False  # buffers are driver memory: the host can't address them
+    driver_waits = True  # a Wait on an OpenCL queue of the same context: event wait lists
 
     def __init__(self, name: str, **options: Any) -> None:
         index = int(name.partition(":")[2].partition("#")[0])  # "opencl:0", "opencl:0#2"
@@ -99,6 +100,9 @@ class OpenCLDevice(Device):
             os.close(self._fd)
             self._fd_closed = True
             raise
+        for actor in self._queues.values():  # its queue signals: Waits the driver may keep
+            actor.engine._own = actor.signal  # type: ignore[attr-defined]
+            runtime.producers[actor.signal] = actor.engine
 
     # -- the backend seam --------------------------------------------------------------------
 
@@ -118,6 +122,10 @@ class OpenCLDevice(Device):
             self._cl_queues[kind],
             on_fault=lambda command, exc: self._on_engine_fault(kind, command, exc),
         )
+
+    def _driver_wait(self, actor: Any, signal: Any, value: int) -> Any:
+        """A Wait the driver keeps (``ClExecutor.hold``): a Gate, or None."""
+        return actor.engine.hold(signal, value)
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         if options.get("geometry"):
@@ -294,6 +302,8 @@ class OpenCLDevice(Device):
     # -- lifetime --------------------------------------------------------------------------
 
     def _release(self) -> None:
+        for actor in self._queues.values():  # no Wait may name its commands any more
+            runtime.producers.pop(actor.signal, None)
         super()._release()
         if self._hung or any(e.alive for e in self._executors()) or self._pump_running:
             return  # the driver may still complete commands: keep the fd and memory

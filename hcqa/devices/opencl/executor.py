@@ -14,8 +14,10 @@ its launch record (``ClProgram.record``) on the command, so a resubmitted one is
 driver call; the copies call PyOpenCL's native entry points directly. Every command's event is
 kept until its segment completes: PoCL 3 aborts the process when it marks an event the
 application already released as failed (a command behind one the driver failed). ``Wait``
-never reaches an executor: the queue actor awaits it on the loop and only then hands over what
-follows (host gating).
+reaches the executor only as a :class:`~hcqa.devices.opencl.waits.Gate`, a Wait the driver
+keeps (``waits.py``: the next driver command takes the producer's event in its wait list);
+any other Wait the queue actor awaits on the loop and only then hands over what follows (host
+gating).
 
 What must happen *after* commands complete -- ``Signal``, ``Timestamp``, ``Step`` -- is
 collected into a *segment* (``completion.py``) that ends at the last driver command before
@@ -64,6 +66,7 @@ from hcqa.actors import engine as _engine
 from hcqa.devices.opencl import runtime
 from hcqa.devices.opencl.completion import Completion, Segment
 from hcqa.devices.opencl.copies import DriverCopies
+from hcqa.devices.opencl.waits import Gate, hold, wait_list
 from hcqa.signals import Signal
 
 __all__ = ["ClExecutor", "Segment"]
@@ -106,6 +109,12 @@ class ClExecutor(DriverCopies, Completion):
         self._native = runtime.native()
         self._low = self._cl._cl  # the driver calls themselves (PyOpenCL's native module)
         self._launch = self._low.enqueue_nd_range_kernel
+        self._gate: list[Gate] | None = None  # Gates the next driver command waits for
+        self._own: Signal | None = None  # this queue's signal (set by the device)
+
+    def hold(self, signal: Signal, value: int) -> Gate | None:
+        """A Gate for ``Wait(signal, value)`` when the driver can keep it (``waits.py``)."""
+        return hold(self, signal, value)
 
     # -- the Executor interface -------------------------------------------------------------
 
@@ -201,6 +210,8 @@ class ClExecutor(DriverCopies, Completion):
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
+        gates: list[Gate] | None = None  # the Gates this segment's commands waited for
+        gate = self._gate  # Gates the next driver command waits for (None: none)
         last: Any = None
         what = ""
         queue, launch = self.queue, self._launch
@@ -212,17 +223,49 @@ class ClExecutor(DriverCopies, Completion):
                 self._skip(run[i:], self.error)
                 break
             kind = type(c)
+            if gate is not None and (kind is _SIGNAL or kind is _STEP or kind is _STAMP):
+                # what follows a driver-kept wait completes after it: a marker that waits
+                if books:
+                    self._close(last, books, keep, what, traced, flows, gates)
+                    books, keep, last, gates = [], [], None, None
+                    traced, flows = ([] if traced is not None else None), None
+                if not keep:
+                    keep.append(run)
+                gates = gate if gates is None else gates + gate
+                wait_for = wait_list(gate)
+                gate = None
+                try:
+                    last = self._low._enqueue_marker_with_wait_list(queue, wait_for)
+                except BaseException as exc:
+                    self._on_fault(None, exc)
+                    self._skip(run[i:], self.error)
+                    keep = []
+                    break
+                keep.append(last)
             if kind is _EXEC or kind is _COPY or kind is _LOAD:
                 if books:
-                    self._close(last, books, keep, what, traced, flows)
-                    books, keep, last = [], [], None
+                    self._close(last, books, keep, what, traced, flows, gates)
+                    books, keep, last, gates = [], [], None, None
                     traced, flows = ([] if traced is not None else None), None
                 if not keep:
                     keep.append(run)  # the commands (their buffers) until the segment completes
                 first, mark = c, len(keep)
                 try:
-                    if kind is not _EXEC:
-                        last = self._enqueue(c, keep)
+                    if gate is not None:  # the first command after Gates waits for them
+                        wait_for = wait_list(gate)
+                        gates = gate if gates is None else gates + gate
+                        gate = None
+                        if kind is _EXEC:
+                            rec = self._record(c)
+                            last = launch(queue, rec[0], rec[1], rec[2], None, wait_for)
+                        else:
+                            last = self._enqueue(c, keep, wait_for)
+                        keep.append(last)
+                        mark = len(keep) - 1
+                        if traced is not None:
+                            traced.append((c, last))
+                    elif kind is not _EXEC:
+                        last = self._enqueue(c, keep, None)
                         keep.append(last)  # PoCL touches failed events' successors: keep all
                         mark = len(keep) - 1
                         if traced is not None:
@@ -237,9 +280,8 @@ class ClExecutor(DriverCopies, Completion):
                             c = run[i]
                             rec = c.native
                             if rec is None:
-                                rec = c.program.record(c)
-                                object.__setattr__(c, "native", rec)
-                            if rec[3] is not c.program.cl_args:
+                                rec = self._record(c)
+                            elif rec[3] is not c.program.cl_args:
                                 c.program.set_args(rec[3])
                             last = launch(queue, rec[0], rec[1], rec[2])
                             append(last)
@@ -270,17 +312,46 @@ class ClExecutor(DriverCopies, Completion):
                     starts.append(c.signal)
                 else:
                     books.append(("stamp", c.signal, None, False))
+            elif kind is Gate:  # a Wait the driver keeps: the next command waits for it
+                if starts:  # Timestamps before the wait: taken before it, at this segment's end
+                    books.extend(("stamp", s, None, False) for s in starts)
+                    starts = []
+                gate = [c] if gate is None else [*gate, c]
             elif kind is not _BARRIER:  # (an in-order queue orders memory at command ends)
                 unknown = TypeError(f"{self.name} has no handler for {kind.__name__} commands")
                 self._on_fault(c, unknown)
                 self._skip(run[i:], self.error)
                 break
             i += 1
+        self._gate = gate if self.error is None else None
         books.extend(("stamp", s, None, False) for s in starts)
+        self._end(last, books, keep, what, traced, flows, gates)
+
+    def _end(
+        self,
+        last: Any,
+        books: list[tuple[Any, ...]],
+        keep: list[Any],
+        what: str,
+        traced: list[tuple[Any, Any]] | None,
+        flows: Any,
+        gates: list[Gate] | None,
+    ) -> None:
+        """A run's end: close its last segment, flush, tidy."""
         if books or keep:
-            self._close(last, books, keep, what, traced, flows)
+            self._close(last, books, keep, what, traced, flows, gates)
         self.queue.flush()
         self.device._tidy(self)  # segments the callback finished without waking the pump
+
+    def _record(self, c: Any) -> Any:
+        """``c``'s launch record (made at its first launch), its arguments set on the kernel."""
+        rec = c.native
+        if rec is None:
+            rec = c.program.record(c)
+            object.__setattr__(c, "native", rec)
+        if rec[3] is not c.program.cl_args:
+            c.program.set_args(rec[3])
+        return rec
 
     def _close(
         self,
@@ -290,12 +361,18 @@ class ClExecutor(DriverCopies, Completion):
         what: str,
         traced: list[tuple[Any, Any]] | None = None,
         flows: Any = None,
+        gates: list[Gate] | None = None,
     ) -> None:
         """End a segment at ``event`` (a marker when None) and register its callback."""
         if event is None:
             event = self._low._enqueue_marker(self.queue)
             what = what or "marker"
         seg = Segment(event, books, keep, what)
+        own = self._own
+        for book in books:  # (two or three books: the queue signal is among the last)
+            if book[1] is own and book[0] == "signal":
+                seg.own = book[2]
+        seg.gates = gates
         seg.words, seg.address = words, _ = self.device._slots.take()
         if traced is not None:  # the pump sets every signal after recording its producer
             seg.traced, seg.flows = traced, flows

@@ -49,6 +49,9 @@ CL_COMPLETE = 0
 _lock = threading.Lock()
 _contexts: dict[int, Any] = {}
 _native: _Native | None = None
+# The executor producing each OpenCL queue signal, while its device is open: a Wait on one
+# of these may be kept by the driver (``ClExecutor.hold``).
+producers: dict[Any, Any] = {}
 _abandoned: list[Any] = []  # slot pages a late callback may still write: kept for good
 _dead_fd = -1  # the eventfd abandoned slots point at (opened once, never closed)
 
@@ -64,6 +67,7 @@ class ClHost(Protocol):
     _error: BaseException | None
 
     def _fault(self, exc: BaseException) -> None: ...
+    def _check_failed(self, executors: list[Any]) -> None: ...
     def _wake_pump(self) -> None: ...
     def _tidy(self, executor: Any) -> None: ...
     def clock_offset_ns(self) -> int: ...

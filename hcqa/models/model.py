@@ -1,0 +1,305 @@
+"""A Model: lifted kernels built on an hcqa device as one captured Graph, awaited with numpy.
+
+Theory of operation
+-------------------
+:func:`build` turns a :class:`~hcqa.models.lifted.Lifted` into hcqa objects on one device:
+each base is one allocation (weights and state get their bytes copied in once; scratch is only
+allocated), each kernel argument a view of its base, each distinct (source, entry) one program
+built with the front end's compiler flags. Then one :func:`hcqa.capture` block records the
+whole call: copy-ins from host staging arrays, every launch (a kernel that counts ``core_id``
+is launched once per core, with ``core_id`` as a val), copy-outs into host staging arrays.
+Variables become :class:`hcqa.Variable` s, symbolic launch sizes hcqa expressions over them.
+
+A :class:`Model` holds one such build per batch size (its *buckets*; a single one when the
+shapes are fixed). ``await model(x, start_pos=3)`` checks every array (ndarray, dtype, shape)
+and every variable name before anything is queued (:class:`InvalidCommand` naming the input),
+picks the smallest bucket that holds the batch, and -- under a lock, since a bucket owns one
+set of buffers -- copies the arrays into its staging arrays (padding rows zeroed), replays the
+graph (one submit per queue) and returns copies of its own rows of the outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from hcqa import aio
+from hcqa.devices import Buffer, Device, Program
+from hcqa.errors import InvalidCommand
+from hcqa.graph import Graph, capture
+from hcqa.models.lifted import Arg, Lifted, Sym, TensorSpec
+from hcqa.signals import Fence
+from hcqa.variables import IntLike, Variable
+
+__all__ = ["Bucket", "Model", "ModelStatistics", "build"]
+
+
+@attrs.frozen
+class ModelStatistics:
+    """A snapshot of a model: what it holds and how often it ran."""
+
+    name: str
+    device: str
+    batch_sizes: tuple[int, ...]
+    kernels: int  # launches per call of the largest bucket
+    programs: int
+    weight_bytes: int  # copied once at load (weights and state), per bucket summed
+    scratch_bytes: int
+    calls: int
+    rows_padded: int
+
+
+@attrs.define(eq=False)
+class Bucket:
+    """One captured graph and the host arrays it copies from and to."""
+
+    graph: Graph
+    host_in: tuple[np.ndarray, ...]
+    host_out: tuple[np.ndarray, ...]
+    variables: dict[str, Variable]
+    launches: int
+    programs: int
+    weight_bytes: int
+    scratch_bytes: int
+    buffers: list[Buffer]
+    failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
+
+
+def _expr(s: Sym, variables: dict[str, Variable]) -> IntLike:
+    if isinstance(s, int):
+        return s
+    if isinstance(s, str):
+        return variables[s]
+    op, a, b = s
+    x, y = _expr(a, variables), _expr(b, variables)
+    if isinstance(x, int) and isinstance(y, int):
+        return {"+": x + y, "-": x - y, "*": x * y, "//": x // y}[op]
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    if op == "*":
+        return x * y
+    return x // y
+
+
+def _fixed(spec: TensorSpec) -> tuple[int, ...]:
+    if any(d is None for d in spec.shape):
+        raise InvalidCommand(f"{spec.name}: a lifted tensor needs a fixed shape (got {spec.shape})")
+    return tuple(int(d) for d in spec.shape if d is not None)
+
+
+async def build(
+    device: Device, lifted: Lifted, weights: dict[bytes, Buffer] | None = None
+) -> Bucket:
+    """Allocate, copy weights, build programs and capture one Graph for ``lifted``.
+
+    ``weights``: read-only weights already on ``device`` by a digest of their bytes (another
+    bucket's); a weight found there is shared, not copied again, and new ones are added."""
+    variables = {n: Variable(n, lo, hi) for n, lo, hi in lifted.variables}
+    bufs: list[Buffer] = []
+    weight_bytes = scratch_bytes = 0
+    for base in lifted.bases:
+        digest = b""
+        if base.role == "weight" and base.data is not None and weights is not None:
+            digest = hashlib.sha256(base.data).digest()
+            if digest in weights:
+                bufs.append(weights[digest])
+                continue
+        buf = device.alloc(base.nbytes)
+        bufs.append(buf)
+        if digest and weights is not None:
+            weights[digest] = buf
+        if base.data is not None:
+            buf.copyin(np.frombuffer(base.data, np.uint8))
+            weight_bytes += base.nbytes
+        elif base.role == "scratch":
+            scratch_bytes += base.nbytes
+    views: dict[Arg, Buffer] = {}
+
+    def view(arg: Arg) -> Buffer:
+        got = views.get(arg)
+        if got is None:
+            base = bufs[arg.base]
+            n = arg.nbytes // arg.dtype.itemsize
+            got = views[arg] = base.view(arg.offset, arg.nbytes, dtype=arg.dtype, shape=(n,))
+        return got
+
+    programs: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], Program] = {}
+    for k in lifted.kernels:
+        key = (k.source, k.entry, k.writes, k.reads)
+        if key not in programs:
+            programs[key] = await device.program_async(
+                k.name,
+                k.source,
+                entry=k.entry,
+                writes=k.writes,
+                reads=k.reads,
+                flags=lifted.flags,
+            )
+    host_in = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.inputs)
+    host_out = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.outputs)
+    launches = 0
+    with capture() as graph:
+        for (_, arg), host in zip(lifted.inputs, host_in, strict=True):
+            view(arg).copyin(host.reshape(-1))
+        for k in lifted.kernels:
+            prog = programs[(k.source, k.entry, k.writes, k.reads)]
+            args = [view(a) for a in k.args]
+            gs = tuple(_expr(g, variables) for g in k.global_size)
+            ls = tuple(_expr(x, variables) for x in k.local_size)
+            vals = [_expr(v, variables) for v in k.vals]
+            for core in range(k.launches):
+                if k.core_id is not None:
+                    vals[k.core_id] = core
+                prog(*args, vals=tuple(vals), global_size=gs, local_size=ls)
+                launches += 1
+        for (_, arg), host in zip(lifted.outputs, host_out, strict=True):
+            view(arg).copyout(host.reshape(-1))
+    return Bucket(
+        graph=graph,
+        host_in=host_in,
+        host_out=host_out,
+        variables=variables,
+        launches=launches,
+        programs=len(programs),
+        weight_bytes=weight_bytes,
+        scratch_bytes=scratch_bytes,
+        buffers=bufs,
+    )
+
+
+class Model:
+    """A captured model on one hcqa device: ``await model(*arrays, **variables)``."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        device: Device,
+        inputs: tuple[TensorSpec, ...],
+        outputs: tuple[TensorSpec, ...],
+        buckets: dict[int, Bucket],
+        batched: bool,
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.inputs = inputs
+        self.outputs = outputs
+        self._buckets = dict(sorted(buckets.items()))
+        self.batch_sizes: tuple[int, ...] = tuple(self._buckets) if batched else ()
+        self._batched = batched
+        self._largest = self._buckets[max(self._buckets)]
+        self._lock = trio.Lock()
+        self._calls = 0
+        self._padded = 0
+        self._pending: Fence | None = None
+
+    @property
+    def graph(self) -> Graph:
+        """The Graph of the largest (or only) bucket."""
+        return self._largest.graph
+
+    @property
+    def variables(self) -> tuple[Variable, ...]:
+        return tuple(self._largest.variables.values())
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{s.name}{list(s.shape)}:{s.dtype}" for s in self.inputs)
+        return f"<Model {self.name} on {self.device.name} ({ins})>"
+
+    def _check(self, arrays: Sequence[Any], variables: dict[str, Any]) -> tuple[int, Bucket]:
+        if len(arrays) != len(self.inputs):
+            raise InvalidCommand(
+                f"model {self.name!r} takes {len(self.inputs)} input(s) "
+                f"({', '.join(s.name for s in self.inputs)}) (got {len(arrays)})"
+            )
+        rows: int | None = None
+        for spec, a in zip(self.inputs, arrays, strict=True):
+            where = f"model {self.name!r} input {spec.name!r}"
+            if not isinstance(a, np.ndarray):
+                raise InvalidCommand(f"{where} must be a numpy ndarray (got {type(a).__name__})")
+            if a.dtype != spec.dtype:
+                raise InvalidCommand(f"{where} must have dtype {spec.dtype} (got {a.dtype})")
+            if a.ndim != len(spec.shape) or any(
+                d is not None and d != n for d, n in zip(spec.shape, a.shape, strict=True)
+            ):
+                shown = ", ".join("N" if d is None else str(d) for d in spec.shape)
+                shown += "," if len(spec.shape) == 1 else ""
+                raise InvalidCommand(f"{where} must have shape ({shown}) (got {a.shape})")
+            if self._batched:
+                if rows is not None and a.shape[0] != rows:
+                    raise InvalidCommand(
+                        f"{where} must have the batch size of the first input, {rows} "
+                        f"(got {a.shape[0]})"
+                    )
+                rows = a.shape[0]
+        names = set(self._largest.variables)
+        if set(variables) != names:
+            raise InvalidCommand(
+                f"model {self.name!r} takes variables {sorted(names)} (got {sorted(variables)})"
+            )
+        for n, v in variables.items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise InvalidCommand(
+                    f"model {self.name!r} variable {n!r} must be an int (got {type(v).__name__})"
+                )
+        if not self._batched:
+            return 0, self._largest
+        assert rows is not None
+        for size, bucket in self._buckets.items():
+            if rows <= size:
+                if rows < 1:
+                    break
+                return rows, bucket
+        raise InvalidCommand(
+            f"model {self.name!r} batch size must be in [1, {max(self._buckets)}] (got {rows})"
+        )
+
+    async def __call__(self, *arrays: Any, **variables: int) -> Any:
+        """Run the model on ``arrays``: one array out, or a tuple when it has several outputs."""
+        if aio.asyncio_caller():
+            return await aio.call(self.__call__, *arrays, **variables)
+        rows, bucket = self._check(arrays, variables)
+        vals = {n: int(v) for n, v in variables.items()}
+        async with self._lock:
+            if self._pending is not None:  # a replay a cancelled call left running
+                await self._pending
+                self._pending = None
+            for host, a in zip(bucket.host_in, arrays, strict=True):
+                if self._batched:
+                    host[:rows] = a
+                    host[rows:] = 0
+                else:
+                    host[...] = a
+            bucket.failure = None
+            self._pending = bucket.graph.submit(**vals)  # type: ignore[arg-type]
+            await self._pending
+            self._pending = None
+            if bucket.failure is not None:  # a Python kernel refused this input
+                why, bucket.failure = bucket.failure, None
+                raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
+            outs = tuple((h[:rows] if self._batched else h).copy() for h in bucket.host_out)
+            self._calls += 1
+            if self._batched:
+                self._padded += bucket.host_in[0].shape[0] - rows
+        return outs[0] if len(outs) == 1 else outs
+
+    def statistics(self) -> ModelStatistics:
+        b = self._largest
+        return ModelStatistics(
+            name=self.name,
+            device=self.device.name,
+            batch_sizes=self.batch_sizes,
+            kernels=b.launches,
+            programs=b.programs,
+            weight_bytes=sum(x.weight_bytes for x in self._buckets.values()),
+            scratch_bytes=sum(x.scratch_bytes for x in self._buckets.values()),
+            calls=self._calls,
+            rows_padded=self._padded,
+        )
