@@ -22,6 +22,13 @@ CHILD = Path(__file__).with_name("_cancel_child.py")
 HARD_LIMIT = 120.0  # seconds a child may take in all before it is a hang
 GRACE = 1.0  # the child's openers' grace period (_cancel_child.GRACE)
 SLACK = 5.0  # on top of the grace: a kill and reap on a loaded 2-core host
+# An opener whose work in flight can't be withdrawn (OpenCL: the driver runs every launch
+# it was handed) closes once that work is done, however it was cancelled: its bound adds
+# twice the longest "drain" of the same work (from its last enqueue to its last fence, no
+# close in it), timed in the same child beside the runs: the bound follows the host's load
+# (a busy 2-core host stretches the kernels) instead of assuming an idle one, and a close
+# slower than its work still fails.
+UNCANCELLABLE = {"opencl"}
 
 OPENERS = ["devices", "devices_read", "process", "batcher", "serve"]
 if importlib.util.find_spec("ray") is not None:
@@ -74,7 +81,10 @@ def test_every_close_ends(children: dict[str, tuple[int, str, str]], name: str) 
     assert "body" in names and "sigint" in names
     exits = [r for r in runs if r["run"].startswith("exit-")]
     assert exits[0]["cancelled"], exits  # the first step of the close was cancelled
-    slow = [r for r in runs if not r["leave"] <= GRACE + SLACK]
-    assert not slow, f"{name}: closes slower than the grace period: {slow}"
+    drains = [r["leave"] for r in runs if r["run"] == "drain"]
+    assert len(drains) == (2 if name in UNCANCELLABLE else 0), names
+    bound = GRACE + SLACK + 2 * max(drains, default=0.0)
+    slow = [r for r in runs if r["run"] != "drain" and not r["leave"] <= bound]
+    assert not slow, f"{name}: closes slower than {bound:.2f} s (grace, slack, drain): {slow}"
     left = [t for t in done["threads"] if t.startswith("hcqa")]
     assert not left, f"{name}: threads outlive the block: {left}"

@@ -242,3 +242,18 @@ def test_output_into_a_pipe_that_closes_stops_quietly(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) in (0, 1)
     assert err == ""
+
+
+def test_info_without_any_cuda_package_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh venv with no ``cuda`` package at all (not even the namespace): ``hcqa info``
+    says cuda-bindings is not installed instead of failing on find_spec's import."""
+    from hcqa.cli import main
+
+    for name in [m for m in sys.modules if m.startswith("cuda.")]:  # imported by other tests
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    assert main(["info"]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cuda:")]
+    assert "cuda-bindings not installed (pip install -e '.[cuda]'" in row

@@ -122,6 +122,9 @@ def cuda_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake, nvrtc = FakeDriver(), FakeNvrtc()
     monkeypatch.setattr(drv, "bindings", lambda: (fake, nvrtc))
     monkeypatch.setattr(drv, "_initialised", False)
+    # restored with _initialised: else the stand-in's clean cuInit outlives it, and a later
+    # open on this machine skips the real cuInit's refusal and meets the missing driver raw
+    monkeypatch.setattr(drv, "_init_error", drv._init_error)
     monkeypatch.setattr(drv, "_contexts", {})
     monkeypatch.setattr(drv, "_local", threading.local())
     monkeypatch.setattr(drv, "_native", drv._Native(launch=fake.launch_host_func))
@@ -766,3 +769,12 @@ async def test_a_kernel_compiled_otherwise_than_its_source_reads_is_refused() ->
     async with hcqa.open_device("cuda:0") as g:
         with pytest.raises(hcqa.InvalidCommand, match=r"sizes \[8, 4\] bytes; got sizes \[8, 8\]"):
             g.program("misread", sneaky)
+
+
+@gpu
+def test_info_lists_each_gpu_by_its_spec() -> None:
+    from hcqa.cli._cuda import cuda_rows
+
+    rows = dict(cuda_rows())
+    assert rows["cuda"].endswith("device(s)")
+    assert "compute capability" in rows["cuda:0"] and "GiB" in rows["cuda:0"]

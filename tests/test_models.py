@@ -113,6 +113,33 @@ async def test_from_tinygrad_refuses_what_it_cannot_lift() -> None:
         np.testing.assert_array_equal(await m(x), _reference(forward, where, x))
 
 
+async def test_a_kernel_split_over_cpu_cores_runs_once_per_core_id() -> None:
+    """tinygrad's CPU device splits a large kernel over its threads (a ``core_id`` parameter,
+    called once per thread): hcqa launches it once per core_id, in one graph."""
+    from tinygrad import Tensor
+
+    from hcqa.models import _tinygrad
+
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        where = models.tinygrad_device(dev)
+        rng = np.random.default_rng(2)
+        w = Tensor(rng.standard_normal((256, 512)).astype(np.float32), device=where).realize()
+
+        def forward(x: Any) -> Any:
+            return (x @ w).relu()
+
+        x = rng.standard_normal((64, 256)).astype(np.float32)
+        lifted = _tinygrad.locked_capture(forward, [x], kind="cpu", variables={}, names=["x"])
+        split = [k for k in lifted.kernels if k.core_id is not None]
+        if not split:
+            pytest.skip("tinygrad uses one CPU thread here: no kernel counts core_id")
+        assert all(k.launches > 1 for k in split)
+        m = await models.from_tinygrad(forward, [x], device=dev)
+        assert m.statistics().kernels == sum(k.launches for k in lifted.kernels)
+        x2 = rng.standard_normal((64, 256)).astype(np.float32)  # not the capture's example
+        np.testing.assert_array_equal(await m(x2), _reference(forward, where, x2))
+
+
 def test_another_tinygrad_version_is_refused_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
     from hcqa.models import _tinygrad
 
@@ -242,3 +269,24 @@ async def test_a_cancelled_call_leaves_the_model_answering() -> None:
                 scope.cancel()
                 await m(x * 2)
         np.testing.assert_array_equal(await m(x), want)
+
+
+async def test_concurrent_calls_each_get_their_own_answer(kind: str) -> None:
+    async with hcqa.open_devices(*specs(kind)) as (dev,):
+        where = models.tinygrad_device(dev)
+        forward, x = _mlp(where)
+        m = await models.from_tinygrad(forward, [x], device=dev)
+        xs = [np.random.default_rng(100 + i).standard_normal((8, 64)).astype(np.float32)
+              for i in range(12)]  # fmt: skip
+        want = [_reference(forward, where, a) for a in xs]
+        got: dict[int, np.ndarray] = {}
+
+        async def one(i: int) -> None:
+            got[i] = await m(xs[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(xs)):
+                nursery.start_soon(one, i)
+        for i in range(len(xs)):
+            np.testing.assert_array_equal(got[i], want[i])
+        assert m.statistics().calls == len(xs)

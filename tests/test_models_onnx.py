@@ -3,6 +3,7 @@ onnxruntime, per batch-size buckets, on tinygrad's kernels and as one onnxruntim
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,14 @@ def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_squeezenet_on_tinygrads_kernels_matches_onnxruntime_per_bucket(
-    squeezenet: Path,
+    squeezenet: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from hcqa.models import cache
+
+    monkeypatch.setattr(cache, "load", lambda key: None)  # always capture through tinygrad
     async with hcqa.open_devices("cpu:0") as (dev,):
         m = await models.load_onnx(squeezenet, device=dev, batch_sizes=(2, 1))
+        assert multiprocessing.active_children() == []  # tinygrad's compiler pool ended
         assert m.batch_sizes == (1, 2)
         assert m.inputs == (models.TensorSpec("data_0", (None, 3, SIDE, SIDE), np.float32),)
         assert m.outputs == (models.TensorSpec("softmaxout_1", (None, 1000, 1, 1), np.float32),)
@@ -137,3 +142,62 @@ def _cl() -> Any:
     from _kinds import opencl_missing
 
     return opencl_missing() is None
+
+
+async def test_a_second_load_reuses_the_capture_and_a_damaged_entry_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hcqa.models import _tinygrad
+
+    monkeypatch.setenv("HCQA_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny(tmp_path / "tiny.onnx")
+    x = np.random.default_rng(9).standard_normal((2, 6)).astype(np.float32)
+    want = _ort(path, x)
+    real = _tinygrad.locked_onnx_capture
+    runs: list[Any] = []
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        runs.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_tinygrad, "locked_onnx_capture", counted)
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        first = await models.load_onnx(path, device=dev, batch_sizes=(2,))
+        assert len(runs) == 1
+        second = await models.load_onnx(path, device=dev, batch_sizes=(2,))
+        assert len(runs) == 1  # from the cache: tinygrad did not run
+        np.testing.assert_array_equal(await second(x), await first(x))
+        np.testing.assert_allclose(await second(x), want, rtol=1e-5, atol=1e-6)
+        entries = list((tmp_path / "cache").glob("*.lifted"))
+        assert len(entries) == 1
+        entries[0].write_bytes(entries[0].read_bytes()[:200])  # truncated: a miss, recaptured
+        third = await models.load_onnx(path, device=dev, batch_sizes=(2,))
+        assert len(runs) == 2
+        np.testing.assert_allclose(await third(x), want, rtol=1e-5, atol=1e-6)
+        await models.load_onnx(path, device=dev, batch_sizes=(1,))  # another shape: another key
+        assert len(runs) == 3
+
+
+async def test_an_input_onnxruntime_refuses_is_the_callers_error_not_the_devices(
+    tmp_path: Path,
+) -> None:
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.arange(30, dtype=np.float32).reshape(10, 3), "E")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["y"])],
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2, 3])],
+        [table],
+    )
+    path = tmp_path / "lookup.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        m = await models.load_onnx(path, device=dev, backend="onnxruntime", batch_sizes=(2,))
+        ids = np.array([[1, 2], [3, 99]], np.int64)  # 99: out of the table's range
+        with pytest.raises(hcqa.InvalidCommand, match=r"model 'lookup' could not run this input"):
+            await m(ids)
+        ids[1, 1] = 4
+        np.testing.assert_array_equal(await m(ids), np.arange(30.0).reshape(10, 3)[ids])
+        await dev.synchronize()  # the device did not fault

@@ -375,7 +375,7 @@ def test_asyncio_cancellation_leaves_others_exact(cluster: Cluster) -> None:
 
 async def test_open_close_cycles_free_actors_and_resources(cluster: Cluster) -> None:
     total = ray.cluster_resources()["b"]
-    for i in range(10):
+    for i in range(4):  # each cycle checks that its actor and resource came back
         async with open_ray_pipeline(
             ["hcqa.processes.stages:add_one"],
             placement=[{"resources": {"b": 1}}],

@@ -296,8 +296,8 @@ COMMANDS: dict[str, Command] = {
         run=_run_trace,
     ),
     "serve": Command(
-        help="serve a demo 2-stage MLP (cpu:0 -> cpu:1) over HTTP with dynamic batching: "
-        "/infer, /health, /stats, /metrics",
+        help="serve ONNX models (--model NAME=PATH.onnx) or a demo 2-stage MLP over HTTP with "
+        "dynamic batching: the Open Inference Protocol (/v2), /infer, /health, /stats, /metrics",
         configure=configure_serve,
         run=run_serve,
     ),

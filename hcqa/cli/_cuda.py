@@ -12,7 +12,11 @@ __all__ = ["cuda_rows"]
 
 def cuda_rows() -> list[tuple[str, str]]:
     """(name, value) rows; a GPU's row is named by its spec (``cuda:0``)."""
-    if importlib.util.find_spec("cuda.bindings") is None:
+    try:  # find_spec imports the parent: without any ``cuda`` package that raises
+        found = importlib.util.find_spec("cuda.bindings") is not None
+    except ImportError:
+        found = False
+    if not found:
         return [("cuda", "cuda-bindings not installed (pip install -e '.[cuda]' in the checkout)")]
     from hcqa.devices.cuda import driver
     from hcqa.errors import InvalidCommand

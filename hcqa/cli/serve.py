@@ -1,18 +1,24 @@
-"""``hcqa serve``: a demo MLP over HTTP (see docs/serving.md).
+"""``hcqa serve``: ONNX models, or the demo MLP, over HTTP (see docs/serving.md).
 
-Arguments are parsed into checked values (a port, seconds, integers with a minimum) so a
-bad one is a one-line usage error before any device opens. The command opens ``cpu:0``
-and ``cpu:1``, builds the MLP and runs :func:`hcqa.serve.serve` with SIGINT and SIGTERM
-wired to a drain; a second signal stops at once (exit status 130): it cancels the scope
+Arguments are parsed into checked values (a port, seconds, integers with a minimum, a model
+as ``NAME=PATH.onnx`` or ``NAME:WIDTH``) so a bad one is a one-line usage error before any
+device opens. An ONNX model is a :class:`hcqa.serve.Model` whose ``build`` opens its own
+device (``--device``) and loads the file (:func:`hcqa.models.load_onnx`, ``--backend``) in
+the background while the health endpoints answer; a model that fails to load ends the
+command with one line naming it. Demo MLPs share ``cpu:0`` and ``cpu:1`` (or two devices on
+``opencl:0``). The command runs :func:`hcqa.serve.serve` with SIGINT and SIGTERM wired to a
+drain; a second signal stops at once (exit status 130): it cancels the scope
 around the devices, so they close by cancellation -- what is queued on them is dropped,
 not run."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from collections.abc import Callable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Any
 
 from hcqa.cli._base import PROG, CliError, _out, run_trio
 from hcqa.errors import install_hint
@@ -50,13 +56,24 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _model(text: str) -> tuple[str, int]:
-    from hcqa.serve.v2 import NAME_PATTERN  # only re, attrs and starlette-free names: cheap
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # as hcqa.serve.v2.NAME_PATTERN
 
+
+def _model(text: str) -> tuple[str, str | int]:
+    """``NAME=PATH`` (an ONNX file) or ``NAME:WIDTH`` (the demo MLP)."""
+    name, sep, path = text.partition("=")
+    if sep:
+        if not _NAME.fullmatch(name) or not path:
+            raise argparse.ArgumentTypeError(
+                f"must be NAME=PATH.onnx or NAME:WIDTH, NAME 1-64 letters, digits, '_', '.' "
+                f"or '-' (got {text!r})"
+            )
+        return name, path
     name, sep, width = text.rpartition(":")
-    if not sep or not NAME_PATTERN.fullmatch(name):
+    if not sep or not _NAME.fullmatch(name):
         raise argparse.ArgumentTypeError(
-            f"must be NAME:WIDTH, NAME 1-64 letters, digits, '_', '.' or '-' (got {text!r})"
+            f"must be NAME=PATH.onnx or NAME:WIDTH, NAME 1-64 letters, digits, '_', '.' or '-' "
+            f"(got {text!r})"
         )
     return name, _int_at_least(1)(width)
 
@@ -116,8 +133,24 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("cpu", "opencl"),
         default="cpu",
-        help="where the MLP's layers run: cpu:0 -> cpu:1 (numpy), or two devices on opencl:0 "
-        "(OpenCL C kernels) (default: %(default)s)",
+        help="where models run: an ONNX model on cpu:0 or opencl:0; the MLP's layers on cpu:0 "
+        "-> cpu:1 (numpy), or two devices on opencl:0 (OpenCL C kernels) (default: %(default)s)",
+    )
+    add(
+        "--backend",
+        choices=("tinygrad", "onnxruntime"),
+        default=None,
+        help="what runs an ONNX model's operators: tinygrad's kernels, captured as an hcqa graph, "
+        "or onnxruntime's session as one kernel (cpu only) (default: onnxruntime on cpu, "
+        "tinygrad on opencl)",
+    )
+    add(
+        "--max-body",
+        type=_int_at_least(1),
+        default=None,
+        metavar="BYTES",
+        help="the largest request body; larger ones get 413 (default: 1 MiB, or 32 batches of "
+        "the largest model's input if more)",
     )
     add(
         "--http",
@@ -129,9 +162,10 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "--model",
         type=_model,
         action="append",
-        metavar="NAME:WIDTH",
-        help="serve an MLP of this width under this name (repeat for several models, each "
-        "with its own batcher; the first also answers /infer); default: mlp:WIDTH",
+        metavar="NAME=PATH.onnx|NAME:WIDTH",
+        help="serve the ONNX model at PATH, or a demo MLP of this width, under this name (repeat "
+        "for several models, each with its own batcher; the first also answers /infer); "
+        "default: mlp:WIDTH",
     )
     add(
         "--width",
@@ -155,7 +189,7 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve a demo 2-stage MLP (cpu:0 -> cpu:1, random weights) over HTTP; drain on a signal."""
+    """Serve ONNX models or demo MLPs over HTTP; drain on a signal."""
     import importlib.util
     import signal
 
@@ -170,14 +204,27 @@ def run_serve(args: argparse.Namespace) -> int:
     import hcqa
     from hcqa.errors import InvalidCommand, sole_error
     from hcqa.serve import Model, mlp_pipeline, serve
+    from hcqa.serve.hosted import ModelFailed
 
-    specs: list[tuple[str, int]] = args.model or [("mlp", args.width)]
+    specs: list[tuple[str, str | int]] = args.model or [("mlp", args.width)]
     names = [name for name, _ in specs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise CliError(f"--model names must differ (got {', '.join(twice)} twice)")
     if args.device == "opencl" and args.sleep_ms:
         raise CliError("--sleep-ms needs --device cpu (an OpenCL kernel can't sleep)")
+    mlps = [(n, w) for n, w in specs if isinstance(w, int)]
+    onnx = [(n, p) for n, p in specs if isinstance(p, str)]
+    backend = args.backend or ("onnxruntime" if args.device == "cpu" else "tinygrad")
+    if onnx:
+        if backend == "onnxruntime" and args.device != "cpu":
+            raise CliError("--backend onnxruntime needs --device cpu (its session runs on cpu:0)")
+        for module in ("onnx", backend):
+            if importlib.util.find_spec(module) is None:
+                raise CliError(
+                    f"hcqa serve --model NAME=PATH needs {module}: {install_hint('models')}"
+                )
+    sizes = tuple(sorted({2**k for k in range(args.max_batch.bit_length())} | {args.max_batch}))
     device_specs = ("cpu:0", "cpu:1") if args.device == "cpu" else ("opencl:0", "opencl:0")
     forced = False
 
@@ -187,17 +234,28 @@ def run_serve(args: argparse.Namespace) -> int:
         everything = trio.CancelScope()  # a second signal cancels it: the devices drop work
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals, everything:
             async with AsyncExitStack() as stack:
-                try:
-                    d0, d1 = await stack.enter_async_context(hcqa.open_devices(*device_specs))
-                except InvalidCommand as exc:
-                    raise CliError(f"hcqa serve --device {args.device}: {exc}") from None
+                devices: tuple[hcqa.Device, ...] = ()
+                if mlps:
+                    try:
+                        devices = await stack.enter_async_context(hcqa.open_devices(*device_specs))
+                    except InvalidCommand as exc:
+                        raise CliError(f"hcqa serve --device {args.device}: {exc}") from None
                 models = []
-                for name, width in specs:
+                for name, what in specs:
+                    if isinstance(what, str):
+                        _out(
+                            f"{PROG}: loading model {name} from {what} ({backend} on "
+                            f"{device_specs[0]})",
+                            sys.stderr,
+                        )
+                        build = _onnx_build(what, backend, device_specs[0], sizes, name)
+                        models.append(Model(name=name, build=build, max_wait=args.max_wait))
+                        continue
                     pipes = await mlp_pipeline(
-                        d0,
-                        d1,
+                        devices[0],
+                        devices[1],
                         batch=args.max_batch,
-                        width=width,
+                        width=what,
                         depth=args.depth,
                         sleep=args.sleep_ms / 1e3,
                         buckets=(1,),  # a lone sample runs unpadded in a batch-1 pipeline
@@ -208,6 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
                             pipeline=pipes,
                             max_batch=args.max_batch,
                             max_wait=args.max_wait,
+                            warmup=True,
                         )
                     )
                 async with trio.open_nursery() as nursery:
@@ -229,20 +288,24 @@ def run_serve(args: argparse.Namespace) -> int:
                             stop.set()
 
                     async def server(task_status: trio.TaskStatus[int]) -> None:
-                        await serve(
-                            models,
-                            host=args.host,
-                            port=args.port,
-                            max_batch=args.max_batch,
-                            max_wait=args.max_wait,
-                            max_pending=args.max_pending,
-                            grace_period=args.grace_period,
-                            body_timeout=args.body_timeout,
-                            access_log=None if args.access_log == "none" else args.access_log,
-                            shutdown_trigger=stop.wait,
-                            http=args.http,
-                            task_status=task_status,
-                        )
+                        try:
+                            await serve(
+                                models,
+                                host=args.host,
+                                port=args.port,
+                                max_batch=args.max_batch,
+                                max_wait=args.max_wait,
+                                max_pending=args.max_pending,
+                                grace_period=args.grace_period,
+                                max_body=args.max_body,
+                                body_timeout=args.body_timeout,
+                                access_log=None if args.access_log == "none" else args.access_log,
+                                shutdown_trigger=stop.wait,
+                                http=args.http,
+                                task_status=task_status,
+                            )
+                        except ModelFailed as exc:
+                            raise CliError(str(exc)) from None
                         nursery.cancel_scope.cancel()  # drained: stop watching for signals
 
                     nursery.start_soon(on_signals)
@@ -253,18 +316,30 @@ def run_serve(args: argparse.Namespace) -> int:
                         else "no dynamic batching"
                     )
                     url = f"http://{args.host}:{port}"
-                    _out(f"{PROG}: serving on {url} ({batching}; {d0.name} -> {d1.name})")
-                    for name, width in specs:
-                        _out(
-                            f"  model {name}: MLP float32[n, {width}] -> float32[n, {width}], "
-                            f"POST /v2/models/{name}/infer (Open Inference Protocol)"
+                    where = f"; {devices[0].name} -> {devices[1].name}" if devices else ""
+                    _out(f"{PROG}: serving on {url} ({batching}{where})")
+                    for name, what in specs:
+                        kind = (
+                            f"{what} ({backend} on {device_specs[0]})"
+                            if isinstance(what, str)
+                            else f"MLP float32[n, {what}] -> float32[n, {what}]"
                         )
-                    first = specs[0][1]
-                    _out(
-                        f"  POST /infer ({specs[0][0]}): one sample float32[{first}] or a batch "
-                        f'float32[n, {first}], as JSON {{"inputs": ...}} or raw '
-                        "little-endian bytes; GET /health, /stats, /metrics, /v2"
-                    )
+                        _out(
+                            f"  model {name}: {kind}, POST /v2/models/{name}/infer "
+                            "(Open Inference Protocol)"
+                        )
+                    name, first = specs[0]
+                    if isinstance(first, int):
+                        _out(
+                            f"  POST /infer ({name}): one sample float32[{first}] or a batch "
+                            f'float32[n, {first}], as JSON {{"inputs": ...}} or raw '
+                            "little-endian bytes; GET /health, /stats, /metrics, /v2"
+                        )
+                    else:
+                        _out(
+                            f"  POST /infer ({name}, if it has one input and one output); "
+                            "GET /health, /stats, /metrics, /v2"
+                        )
                     sys.stdout.flush()
         if not forced:
             _out(f"{PROG}: drained, bye", sys.stderr)
@@ -274,3 +349,23 @@ def run_serve(args: argparse.Namespace) -> int:
     except BaseExceptionGroup as group:  # the nursery wraps a startup error
         raise sole_error(group) from None
     return 130 if forced else 0
+
+
+def _onnx_build(
+    path: str, backend: str, device: str, sizes: tuple[int, ...], name: str
+) -> Callable[[], AbstractAsyncContextManager[Any]]:
+    """What builds an ONNX model: its own device opened, the file loaded onto it."""
+
+    @asynccontextmanager
+    async def build() -> AsyncIterator[Any]:
+        import hcqa
+        from hcqa import models
+
+        async with hcqa.open_device(device) as dev:
+            model = await models.load_onnx(
+                path, device=dev, backend=backend, batch_sizes=sizes, name=name
+            )
+            model.backend = backend  # type: ignore[attr-defined]  # the /v2 config's platform
+            yield model
+
+    return build

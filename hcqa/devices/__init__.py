@@ -4,9 +4,9 @@ The core -- the same for every kind of device:
 
 * ``base.py`` -- :class:`Device`: its two queues, the path of one enqueue (hazards,
   timeline steps, inline or actor), and the seam: the few methods a backend provides
-  (memory, programs, executors, clocks) and the fast paths it may offer; its mixins
-  ``hostcopies.py`` (copy-in, copy-out, loads), ``lifetime.py`` (start, close, release)
-  and ``faults.py`` (sticky faults, hang limits);
+  (memory, programs, executors, clocks); its mixins ``offers.py`` (the fast paths a backend
+  may offer, all off by default), ``hostcopies.py`` (copy-in, copy-out, loads),
+  ``lifetime.py`` (start, close, release) and ``faults.py`` (sticky faults, hang limits);
 * ``buffer.py``, ``memory.py`` -- buffers and views, hazards, host memory and its
   accounting, the staging ring; ``sizes.py`` -- the checks of sizes, shapes and dtypes;
   ``hostarrays.py`` -- host arrays as the host end of a copy;

@@ -64,6 +64,7 @@ from hcqa.devices.faults import Faults
 from hcqa.devices.hostcopies import HostCopies
 from hcqa.devices.lifetime import Lifetime
 from hcqa.devices.memory import AllocatorStatistics, CachingAllocator, HostMemory
+from hcqa.devices.offers import FastPaths
 from hcqa.devices.program import Program, check_flags
 from hcqa.devices.sizes import check_size, typed_size
 from hcqa.devices.timeline import Timeline
@@ -76,7 +77,7 @@ from hcqa.errors import (
 from hcqa.signals import Fence, Signal
 
 if TYPE_CHECKING:
-    from hcqa.devices.fusion import FusedRun
+    pass
 
 __all__ = ["Device", "DeviceStatistics"]
 
@@ -101,14 +102,11 @@ class DeviceStatistics:
     closed: bool
 
 
-class Device(Faults, HostCopies, Lifetime):
+class Device(Faults, HostCopies, Lifetime, FastPaths):
     """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
     kinds)."""
 
     kind: ClassVar[str] = "?"
-    # True where running a C kernel is exactly calling it on the host: engines then call an
-    # Exec's ready native call directly.
-    native_runner: ClassVar[bool] = False
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import
     # hcqa`` imports it): the device core sits below the builder and names it only through
     # the QueueBuilder protocol (``builder.py``).
@@ -117,14 +115,6 @@ class Device(Faults, HostCopies, Lifetime):
     # False for driver memory (OpenCL): a transfer to a device of another kind then runs
     # on this device's copy queue, which can read its own memory (see ``transfer``).
     host_memory: ClassVar[bool] = True
-    # True where what the executor caches on an Exec (``Exec.native``) describes the call
-    # alone and holds no memory (the cpu lane's records): a program's launch record then
-    # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
-    # objects alive must not.
-    shares_native: ClassVar[bool] = False
-    # True where the driver can keep some Waits itself (``_driver_wait``): the queue actors
-    # then ask before they await one on the host.
-    driver_waits: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -171,21 +161,6 @@ class Device(Faults, HostCopies, Lifetime):
         for actor in self._queues.values():
             actor.engine.timeline = self._timeline
 
-    def _abandon_build(self) -> None:
-        """Close what a construction that failed part-way made: executors (never
-        started), queue signals, the timeline, the memory."""
-        made = vars(self)
-        for thing in made.get("_made", ()):
-            if isinstance(thing, Signal):
-                thing.close()
-            else:
-                thing.join(0)
-                thing.exited.close()
-        if "_timeline" in made:
-            self._timeline.close()
-        if "allocator" in made:
-            self.allocator.close()
-
     # -- what a backend provides (the seam: see docs/architecture.md) ----------------------
 
     def _make_allocator(self, capacity: int) -> CachingAllocator:
@@ -215,45 +190,6 @@ class Device(Faults, HostCopies, Lifetime):
         """The engine's handlers for queue ``kind``: ``Exec`` (compute), ``Copy`` and
         ``Load`` (copy); the engine itself does ``Signal``, ``Timestamp``,
         ``MemoryBarrier`` and ``Step``. Only used by the default :meth:`_executor`."""
-        raise NotImplementedError
-
-    def _driver_wait(self, actor: QueueActor, signal: Signal, value: int) -> Any:
-        """A fast path a backend may offer (with ``driver_waits = True``): what to hand
-        ``actor``'s executor in the place of ``Wait(signal, value)`` so that its driver
-        holds the commands after it until ``signal >= value`` -- ordering work the driver
-        already has, with the same semantics and fault crossing as the host's wait -- or
-        None: the actor awaits the signal on the host (signals produced elsewhere: the host,
-        another process, another driver). None by default."""
-        return None
-
-    def _inline(self, command: Any) -> bool:
-        """Whether ``command``, alone in a batch on an idle queue with no hazard, may run
-        inline on the caller's thread (see ``actor.py``): only what surely takes a few
-        tens of microseconds. None by default."""
-        return False
-
-    # -- what a backend may offer: fast paths (docs/architecture.md, "The backend seam") ------
-
-    def _patches_in_place(self, exec_: cmd.Exec) -> bool:
-        """Whether this device's executor resolves ``exec_``'s symbolic vals itself, at
-        launch, from the ``Bind`` its batch starts with (``commands.Bind``): a queue or
-        graph submitted with new values then sends its commands as built, with one
-        ``Bind`` (``_graph/patch.py``, ``CommandSlot``), instead of a new command per
-        launch. By default a Python kernel's (the cpu engine resolves them); typed vals
-        are still range-checked at submit, once per value."""
-        return exec_.program.kernel is None and getattr(exec_.program, "val_ranges", 1) is None
-
-    def _fusable(self, exec_: cmd.Exec) -> bool:
-        """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues
-        submitted again then send each run of such launches as one command, made by
-        :meth:`_fuse`. None by default."""
-        return False
-
-    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
-        """One command that runs every launch of ``run`` (two or more, each
-        :meth:`_fusable`, in a row on one queue), in order: a
-        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
-        made at a queue's submit, on the caller's task (compile nothing)."""
         raise NotImplementedError
 
     # -- public surface --------------------------------------------------------------------

@@ -9,7 +9,8 @@ queued) -- or, when the block raised or was cancelled, first abandons pending wo
 waits, shielded and within the hang limit, for other devices' engines still reading this
 device's memory (``_wait_foreign``). ``_release`` then closes the timeline, the queue
 signals, the engines' doorbells and the memory -- unless an engine is stuck, when
-everything it may still touch is left mapped and the device is marked hung.
+everything it may still touch is left mapped and the device is marked hung. A device whose
+construction failed part-way closes what it made at once (``_abandon_build``).
 
 This is a mixin of :class:`~hcqa.devices.base.Device`, which sets the attributes declared
 below.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from hcqa.errors import DeviceClosed, HcqaError
+from hcqa.signals import Signal
 
 if TYPE_CHECKING:
     from hcqa.actors import QueueActor
@@ -94,3 +96,18 @@ class Lifetime:
         self.allocator.close()
         for mem in list(self._shared):
             mem.close()
+
+    def _abandon_build(self) -> None:
+        """Close what a construction that failed part-way made: executors (never
+        started), queue signals, the timeline, the memory."""
+        made = vars(self)
+        for thing in made.get("_made", ()):
+            if isinstance(thing, Signal):
+                thing.close()
+            else:
+                thing.join(0)
+                thing.exited.close()
+        if "_timeline" in made:
+            self._timeline.close()
+        if "allocator" in made:
+            self.allocator.close()

@@ -84,9 +84,13 @@ async def from_tinygrad(
     names = [f"input_{i}" for i in range(len(inputs))]
     from hcqa.models import _tinygrad
 
-    lifted = await trio.to_thread.run_sync(
-        lambda: _tinygrad.locked_capture(fn, inputs, kind=kind, variables=vars_, names=names)
-    )
+    try:
+        lifted = await trio.to_thread.run_sync(
+            lambda: _tinygrad.locked_capture(fn, inputs, kind=kind, variables=vars_, names=names)
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(_tinygrad.release)
     bucket = await build(device, lifted)
     return Model(
         name=label,

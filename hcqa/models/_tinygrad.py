@@ -74,6 +74,7 @@ __all__ = [
     "locked_capture",
     "locked_onnx_capture",
     "prepare",
+    "release",
 ]
 
 # tinygrad's CPU device compiles ``-O2 -fPIC -ffreestanding -fno-math-errno -nostdlib`` plus
@@ -398,3 +399,12 @@ def locked_onnx_capture(path: str, inputs: Sequence[np.ndarray], *, kind: str) -
     """tinygrad's ONNX runner for ``path`` (weights realized first), captured for ``inputs``."""
     with _own_thread():
         return _onnx_capture(path, inputs, kind)
+
+
+def release() -> None:
+    """End tinygrad's pool of compiler processes (spawned by a capture to lower and compile
+    kernels in parallel): no process of a load outlives it. The next capture spawns it again."""
+    from tinygrad.engine.worker import terminate_worker_pool
+
+    with _LOCK:
+        terminate_worker_pool()

@@ -67,6 +67,7 @@ class Bucket:
     weight_bytes: int
     scratch_bytes: int
     buffers: list[Buffer]
+    failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
 
 
 def _expr(s: Sym, variables: dict[str, Variable]) -> IntLike:
@@ -267,18 +268,22 @@ class Model:
         rows, bucket = self._check(arrays, variables)
         vals = {n: int(v) for n, v in variables.items()}
         async with self._lock:
+            if self._pending is not None:  # a replay a cancelled call left running
+                await self._pending
+                self._pending = None
             for host, a in zip(bucket.host_in, arrays, strict=True):
                 if self._batched:
                     host[:rows] = a
                     host[rows:] = 0
                 else:
                     host[...] = a
-            if self._pending is not None:  # a replay a cancelled call left running
-                await self._pending
-                self._pending = None
+            bucket.failure = None
             self._pending = bucket.graph.submit(**vals)  # type: ignore[arg-type]
             await self._pending
             self._pending = None
+            if bucket.failure is not None:  # a Python kernel refused this input
+                why, bucket.failure = bucket.failure, None
+                raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
             outs = tuple((h[:rows] if self._batched else h).copy() for h in bucket.host_out)
             self._calls += 1
             if self._batched:

@@ -14,6 +14,9 @@ here, naming the file and the input), so nothing is captured for a model that ca
   unit of parallelism) becomes one Python kernel on ``cpu:N``; the engine thread calls it with
   numpy views of the input and output buffers, and ``session.run`` releases the GIL while it
   computes. Each batch size gets its buffers and its Graph (copy-in, the kernel, copy-out).
+  An input onnxruntime refuses at run time (an index out of range) is the caller's error, not
+  the device's: the kernel records it, writes nothing, and the call raises InvalidCommand
+  naming onnxruntime's message; the device and the model go on answering.
 
 A symbolic first dimension (``"N"``, or unnamed) is the batch: ``batch_sizes`` graphs are
 captured, and a call takes the smallest that holds its rows (:class:`~hcqa.models.Model`). A
@@ -23,7 +26,9 @@ model with fixed shapes gets one graph and ``batch_sizes == ()``.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,8 +40,9 @@ from hcqa import aio
 from hcqa.devices import Device
 from hcqa.errors import InvalidCommand, install_hint
 from hcqa.graph import capture
+from hcqa.models import _toolchain, cache
 from hcqa.models.kinds import device_kind
-from hcqa.models.lifted import TensorSpec
+from hcqa.models.lifted import Lifted, TensorSpec
 from hcqa.models.model import Bucket, Model, build
 
 __all__ = ["load_onnx"]
@@ -150,17 +156,16 @@ async def load_onnx(
     buckets: dict[int, Bucket] = {}
     outputs: tuple[TensorSpec, ...] = ()
     if backend == "tinygrad":
-        from hcqa.models import _tinygrad
-
-        await trio.to_thread.run_sync(_tinygrad.check_onnx_ops, model, str(p))
         weights: dict[bytes, Any] = {}  # shared by the buckets
-        for rows in buckets_for:
-            examples = _examples(specs, max(rows, 1))
-            lifted = await trio.to_thread.run_sync(
-                functools.partial(_tinygrad.locked_onnx_capture, str(p), examples, kind=kind)
-            )
-            buckets[rows] = await build(device, lifted, weights)
-            outputs = tuple(s for s, _ in lifted.outputs)
+        try:
+            for rows in buckets_for:
+                lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
+                buckets[rows] = await build(device, lifted, weights)
+                outputs = tuple(s for s, _ in lifted.outputs)
+        finally:
+            if "hcqa.models._tinygrad" in sys.modules:  # not imported when all came from cache
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(sys.modules["hcqa.models._tinygrad"].release)
     else:
         session = await trio.to_thread.run_sync(_session, p)
         for rows in buckets_for:
@@ -181,6 +186,37 @@ async def load_onnx(
         buckets={max(r, 1): b for r, b in buckets.items()},
         batched=batched,
     )
+
+
+async def _lifted(path: Path, model: Any, examples: list[np.ndarray], kind: str) -> Lifted:
+    """tinygrad's capture of ``path`` for ``examples``: from hcqa's cache when this file, this
+    tinygrad and these shapes were captured before (then tinygrad is not even imported)."""
+    version = _installed("tinygrad")
+    shapes = [(e.shape, e.dtype.str) for e in examples]
+    reader = cache.reader_digest()  # a changed reader never reuses an older reading
+    key = await trio.to_thread.run_sync(
+        functools.partial(cache.key_for, "tinygrad", version, reader, kind, shapes, file=path)
+    )
+    hit = await trio.to_thread.run_sync(cache.load, key)
+    if hit is not None:
+        if hit.language == "c":
+            _toolchain.ensure_cc()  # the kernels are compiled with the same clang
+        return hit
+    from hcqa.models import _tinygrad
+
+    await trio.to_thread.run_sync(_tinygrad.check_onnx_ops, model, str(path))
+    lifted: Lifted = await trio.to_thread.run_sync(
+        functools.partial(_tinygrad.locked_onnx_capture, str(path), examples, kind=kind)
+    )
+    await trio.to_thread.run_sync(cache.store, key, lifted)
+    return lifted
+
+
+def _installed(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def _session(path: Path) -> Any:
@@ -217,10 +253,17 @@ async def _ort_bucket(
     outputs = tuple(TensorSpec(n, r.shape, r.dtype) for n, r in zip(out_names, probe, strict=True))
     n_out = len(outputs)
 
+    holder: list[Bucket] = []
+
     def run(*bufs: np.ndarray) -> None:
         feeds = {n: b for n, b in zip(names, bufs[n_out:], strict=True)}
-        for dest, got in zip(bufs[:n_out], session.run(None, feeds), strict=True):
-            dest[...] = got
+        try:
+            got = session.run(None, feeds)
+        except Exception as exc:  # the input's fault (an index out of range): not the device's
+            holder[0].failure = f"onnxruntime: {type(exc).__name__}: {exc}"
+            return
+        for dest, out in zip(bufs[:n_out], got, strict=True):
+            dest[...] = out
 
     prog = await device.program_async(
         "onnxruntime",
@@ -252,4 +295,5 @@ async def _ort_bucket(
         scratch_bytes=0,
         buffers=[*ins, *outs],
     )
+    holder.append(bucket)
     return bucket, outputs

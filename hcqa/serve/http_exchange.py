@@ -134,10 +134,11 @@ class _Exchange:
             if conn.eof:
                 raise trio.BrokenResourceError("the client left mid-body")
             await conn._fill()
-        pieces: list[bytes] = []
-        while events and isinstance(events[0], bytes):  # every piece queued, in one message
+        pieces: list[bytes | bytearray] = []
+        while events and isinstance(events[0], bytes | bytearray):  # all queued, one message
             pieces.append(events.popleft())  # type: ignore[arg-type]
-        chunk = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        first = pieces[0] if len(pieces) == 1 else None
+        chunk = first if type(first) is bytes else b"".join(pieces)
         parser.backlog -= len(chunk)
         if events and events[0] is END:
             events.popleft()

@@ -118,7 +118,7 @@ class _Parser:
     """One connection's requests, parsed as its bytes arrive (see the module's notes)."""
 
     def __init__(self) -> None:
-        self.events: deque[_Request | bytes | _End | _BadRequest] = deque()
+        self.events: deque[_Request | bytes | bytearray | _End | _BadRequest] = deque()
         self.backlog = 0  # bytes of heads and bodies queued in events
         self.pending = bytearray()  # an unfinished line of a head, not yet fed
         self.in_head = True  # between messages or inside a head (not in a body)
@@ -130,8 +130,7 @@ class _Parser:
         self._headers: list[tuple[bytes, bytes]] = []
         self._size = 0  # bytes of the head being parsed
         self._body = 0  # body bytes parsed, in all
-        self._marks = 0  # message and chunk boundaries parsed, in all
-        self._framing = 0  # bytes of framing fed since the last boundary (at most _SLICE more)
+        self._framing = 0  # >= bytes of framing fed since the last chunk data (< _SLICE more)
         self._chunked = False  # the body being parsed is chunked
         self._crlf_last = False  # the last head bytes fed ended with CRLF
         self._last: _Request | None = None
@@ -190,12 +189,13 @@ class _Parser:
             # than what the limit leaves passes it, if all framing, before anything ends
             piece = data[pos : pos + min(_SLICE, _MAX_FRAMING + 1 - self._framing)]
             pos += len(piece)
-            body, marks = self._body, self._marks
+            body = self._body
             self._execute(piece)
             if self.in_head or self.failed:
                 break
-            framing = len(piece) - (self._body - body)  # bytes of this slice that were no data
-            self._framing = framing if self._marks != marks else self._framing + framing
+            data_bytes = self._body - body  # a chunk's data: its size line and CRLF came first
+            framing = len(piece) - data_bytes  # bytes of this slice that were no data
+            self._framing = framing if data_bytes else self._framing + framing
             if self._framing > _MAX_FRAMING:  # a chunk-size line or trailers without end
                 self.fail(_BadRequest(400, _TOO_MUCH_FRAMING))
         return pos
@@ -244,7 +244,6 @@ class _Parser:
         self._url = []
         self._headers = []
         self._size = 0
-        self._marks += 1
 
     def on_url(self, part: bytes) -> None:
         self._url.append(part)
@@ -271,20 +270,20 @@ class _Parser:
         self.backlog += req.size
 
     def on_body(self, data: bytes) -> None:
-        self.events.append(data)
+        events = self.events
+        last = events[-1] if events else None
+        if isinstance(last, bytearray):  # tiny chunks: one growing piece, not an object each
+            last += data
+        elif isinstance(last, bytes):
+            events[-1] = bytearray(last) + data
+        else:
+            events.append(data)
         self.backlog += len(data)
         self._body += len(data)
 
     def on_message_complete(self) -> None:
         self.events.append(END)
         self.in_head = True
-        self._marks += 1
-
-    def on_chunk_header(self) -> None:
-        self._marks += 1
-
-    def on_chunk_complete(self) -> None:
-        self._marks += 1
 
     # -- the checks on top of llhttp's -----------------------------------------------------
 
