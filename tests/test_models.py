@@ -6,6 +6,7 @@ source compiled with the same flags), on cpu:N and on opencl:N (PoCL).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from typing import Any
 
@@ -255,6 +256,7 @@ def test_the_zig_wrapper_compiles_tinygrads_c(
     )
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout[:4] == b"\x7fELF"
+    importlib.import_module("hcqa.models._tinygrad")  # sets tinygrad's environment first
     from tinygrad.runtime.support.elf import jit_loader
 
     assert len(jit_loader(r.stdout)) > 0  # tinygrad's own loader takes it (no debug relocations)
