@@ -251,6 +251,8 @@ def test_info_without_any_cuda_package_says_so(
     says cuda-bindings is not installed instead of failing on find_spec's import."""
     from hcqa.cli import main
 
+    for name in [m for m in sys.modules if m.startswith("cuda.")]:  # imported by other tests
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "cuda", None)
     assert main(["info"]) == 0
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cuda:")]

@@ -54,6 +54,7 @@ BENCHES: tuple[str, ...] = (
     "bench_workers",
     "bench_opencl",
     "bench_serve",
+    "bench_serve_onnx",
 )
 STATES = ("met", "MISSED", "skipped", "n/a")
 

@@ -202,6 +202,8 @@ class OpenCLDevice(Device):
         check = max(self.hang_limit / 3, 0.001) if not math.isinf(self.hang_limit) else 3600.0
         while True:
             self._drain(executors)
+            for ex in executors:  # room in the window: the backlog's next runs
+                ex.refill()
             if self._lingering:
                 self._linger()
             ended = all(e.finished or (cancelled and e.unused) for e in executors)

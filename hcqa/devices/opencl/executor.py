@@ -40,6 +40,13 @@ the pump adds a device range per command from its profiling START and END moved 
 clock (``clock_offset_ns``), with the flow arrows the queue actor announced; signals are then
 all set by the pump, after their producer range is recorded.
 
+A bounded window: at most ``WINDOW`` segments of a queue are in the driver at once; runs put
+beyond that wait in the executor's backlog, in order, and the pump hands them over as the
+driver completes segments (``refill``; while a backlog waits, every completion wakes the
+pump). A driver can't take back what it was given, so this is what bounds a cancelled close:
+once the device's error is set (a cancellation, a fault) the backlog is skipped at once --
+signals broken, other devices' steps completed -- and the close waits only for the window.
+
 Faults: a driver call that fails while enqueueing faults the device at once (a
 :class:`~hcqa.errors.DeviceFault` with the CL error as its cause); from then on nothing is
 enqueued, and the signals of skipped commands are broken, as an engine does. A command that
@@ -67,6 +74,9 @@ __all__ = ["ClExecutor", "Segment"]
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
+# Segments of one queue in the driver at once (see the module doc): enough to keep a device
+# fed while the pump refills, few enough that a cancelled close waits for little.
+WINDOW = 4
 
 
 class ClExecutor(DriverCopies, Completion):
@@ -88,6 +98,7 @@ class ClExecutor(DriverCopies, Completion):
         self.timeline: Any = None
         self.exited = Signal(name=f"{self.name} executor exit")
         self.pending: collections.deque[Segment] = collections.deque()
+        self.backlog: collections.deque[list[Any]] = collections.deque()  # runs past the window
         self.completed = 0  # segments processed: the pump's measure of progress
         self._on_fault = on_fault
         self._lock = threading.Lock()  # put() from two threads must not interleave runs
@@ -113,20 +124,50 @@ class ClExecutor(DriverCopies, Completion):
     def put(self, run: list[Any] | None) -> None:
         """Enqueue ``run`` now (never blocks); ``None``: stop once what was queued is done."""
         if run is None:
+            self.refill()
             with self._lock:
                 self._stopping = True
                 for seg in self.pending:  # every completion from now on wakes the pump
                     seg.words[runtime.WAKE] = 1
-                idle = not self.pending
+                idle = not self.pending and not self.backlog
             if idle and not self.exited.value:  # nothing to wait for (the pump may be gone)
                 self.exited._set_from_engine(1)
             self.device._wake_pump()  # (a syscall: the stores above are seen before it)
             return
         with self._lock:
-            try:
-                self._enqueue_run(run)
-            except BaseException as exc:  # the driver refused a marker or a callback
-                self._on_fault(None, exc)
+            if self.backlog or len(self.pending) >= WINDOW:  # the driver has enough
+                first = not self.backlog
+                self.backlog.append(run)
+                if not first:
+                    return
+                for seg in self.pending:  # their completions wake the pump to refill
+                    seg.words[runtime.WAKE] = 1
+            else:
+                self._put_now(run)
+                return
+        # A segment that fired before it saw ``wake`` did not wake the pump: wake it now (the
+        # callback stores ``fired`` before it reads ``wake``; this write follows ours).
+        self.device._wake_pump()
+
+    def _put_now(self, run: list[Any]) -> None:
+        try:
+            self._enqueue_run(run)
+        except BaseException as exc:  # the driver refused a marker or a callback
+            self._on_fault(None, exc)
+
+    def refill(self) -> None:
+        """Hand the driver backlog runs while the window has room (the pump, after it
+        processed completions); skip the whole backlog once the device's error is set."""
+        if not self.backlog:
+            return
+        with self._lock:
+            backlog = self.backlog
+            if self.error is not None:
+                while backlog:
+                    self._skip(backlog.popleft(), self.error)
+                return
+            while backlog and len(self.pending) < WINDOW:
+                self._put_now(backlog.popleft())
 
     def run_inline(self, run: list[Any]) -> None:
         self.put(run)  # the device runs nothing inline: enqueueing is already immediate
@@ -140,7 +181,7 @@ class ClExecutor(DriverCopies, Completion):
     @property
     def alive(self) -> bool:
         """True while the driver may still run (or complete) commands of this queue."""
-        return bool(self.pending)
+        return bool(self.pending or self.backlog)
 
     @property
     def stopping(self) -> bool:
@@ -149,11 +190,11 @@ class ClExecutor(DriverCopies, Completion):
     @property
     def unused(self) -> bool:
         """Never started (its actor was cancelled first) and nothing was put."""
-        return not self._started and not self.pending
+        return not self._started and not self.pending and not self.backlog
 
     @property
     def finished(self) -> bool:
-        return self._stopping and not self.pending
+        return self._stopping and not self.pending and not self.backlog
 
     # -- enqueueing (the submitting thread) --------------------------------------------------
 
@@ -337,8 +378,8 @@ class ClExecutor(DriverCopies, Completion):
             seg.traced, seg.flows = traced, flows
         elif books:
             seg.books = self._native_stores(seg, books)
-            if not seg.books:  # all done by the callback: the pump may find it later
-                words[runtime.WAKE] = 0
+            if not seg.books and not self.backlog:  # all done by the callback: the pump
+                words[runtime.WAKE] = 0  # may find it later (unless it must refill)
         self.pending.append(seg)
         status = self._native.register(event, seg.address)
         if status != 0:
