@@ -104,7 +104,7 @@ async def test_a_model_is_served_under_its_own_tensor_names() -> None:
         r = await c.post("/infer", json={"inputs": [1, 2, 3]})
         assert r.status_code == 400
         assert "/v2/models/pair/infer" in r.json()["error"]  # /infer takes one input
-    assert model.calls[:2] == [1, 4]  # warmed up once per captured batch size
+    assert model.calls == [1, 4, 1, 4, 2]  # warmed up once per captured size, then served
 
 
 async def test_tritonclient_reads_config_and_statistics() -> None:
