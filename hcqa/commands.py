@@ -71,6 +71,9 @@ class Wait:
 
     signal: _Signal
     value: IntLike
+    # False for a buffer hazard's wait on other queues' *reads* only (before a write):
+    # work that the producer abandons (its device closed) then leaves nothing to wait for.
+    after_write: bool = attrs.field(default=True, eq=False, repr=False)
     # A native lane's record of this command, cached on it (see ``hcqa/actors/lane.py``).
     native: Any = attrs.field(default=None, init=False, eq=False, repr=False)
 

@@ -6,6 +6,7 @@ source compiled with the same flags), on cpu:N and on opencl:N (PoCL).
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 from typing import Any
 
@@ -231,7 +232,8 @@ def test_the_zig_wrapper_compiles_tinygrads_c(
         pytest.skip("the ziglang wheel is not installed")
     src = (
         "typedef float float4 __attribute__((aligned(16),ext_vector_type(4)));\n"
-        "void k(float* restrict a) { float4 v = *((float4*)a); a[0] = v[1] + v[2]; }\n"
+        "void k(float* restrict a, int n) { float4 v = *((float4*)a); float s = 0.5f;\n"
+        "  for (int i = 0; i < n; i++) s += a[i] * 1.25f; a[0] = v[1] + v[2] + s; }\n"
     )
     r = subprocess.run(
         [
@@ -254,6 +256,10 @@ def test_the_zig_wrapper_compiles_tinygrads_c(
     )
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout[:4] == b"\x7fELF"
+    importlib.import_module("hcqa.models._tinygrad")  # sets tinygrad's environment first
+    from tinygrad.runtime.support.elf import jit_loader
+
+    assert len(jit_loader(r.stdout)) > 0  # tinygrad's own loader takes it (no debug relocations)
 
 
 async def test_a_cancelled_call_leaves_the_model_answering() -> None:

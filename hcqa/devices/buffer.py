@@ -143,12 +143,14 @@ def hazard_waits(
         w = hz.write
         if w is not None and w[0] is not actor:
             _after(need, *w)
-        for q, v in hz.reads.items():
+    written = set(need)  # queues waited on for a write of theirs
+    for b in writes:
+        for q, v in b._hazards.reads.items():
             if q is not actor:
                 _after(need, q, v)
     if not need:
         return []
-    return [cmd.Wait(signal=q.signal, value=v) for q, v in need.items()]
+    return [cmd.Wait(signal=q.signal, value=v, after_write=q in written) for q, v in need.items()]
 
 
 def _after(need: dict[QueueActor, int], q: QueueActor, v: int) -> None:

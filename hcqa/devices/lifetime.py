@@ -57,6 +57,7 @@ class Lifetime:
     def _cancel(self) -> None:
         """Abandon pending work: engines skip what they have not started."""
         closed = DeviceClosed(f"{self.name} was closed with work pending (cancelled)")
+        closed.abandoned = True  # type: ignore[attr-defined]  # (see QueueActor._batch)
         for actor in self._queues.values():
             if actor.engine.error is None:
                 actor.engine.error = closed

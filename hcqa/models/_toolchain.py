@@ -9,9 +9,10 @@ C cache (which also reads ``$CC``). :func:`ensure_cc` picks, unless ``$CC`` is a
 the system's ``clang``, else the ``ziglang`` wheel (installed by ``pip install -e '.[models]'``,
 whose ``zig cc`` *is* clang) behind a small private wrapper script, which turns tinygrad's
 bare-metal target triple (``--target=x86_64-none-unknown-elf``) into zig's spelling
-(``-target x86_64-freestanding-none``). It sets ``$CC`` for the process: every C kernel hcqa
-compiles from then on uses that compiler (the cache key names the compiler, so nothing built
-by another compiler is reused by mistake).
+(``-target x86_64-freestanding-none``) and turns off the debug info zig emits by default
+(tinygrad's ELF loader refuses its absolute relocations). It sets ``$CC`` for the process:
+every C kernel hcqa compiles from then on uses that compiler (the cache key names the
+compiler, so nothing built by another compiler is reused by mistake).
 
 **pip's PoCL for tinygrad's CL device.** PyOpenCL's wheel carries its own ICD loader
 (``pyopencl/.libs/libOpenCL-*.so*``), and PoCL's entry in it finds PoCL through
@@ -51,7 +52,9 @@ for a; do
     *) set -- "$@" "$a";;
   esac
 done
-exec '@ZIG@' cc "$@"
+# -g0 first: zig cc emits debug info by default, whose absolute relocations tinygrad's own ELF
+# loader refuses (R_X86_64_32); a later -g still wins.
+exec '@ZIG@' cc -g0 "$@"
 """
 
 

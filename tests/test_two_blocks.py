@@ -1,0 +1,56 @@
+"""Two hcqa devices on one OpenCL device, in blocks of their own: leaving one's block by an
+exception does not make the other unusable.
+
+The inner device had a transfer queued that reads the outer device's buffer; its block is
+left by an exception before the transfer ran, so the transfer is abandoned. The outer device
+then overwrites that buffer: the write waited for the transfer's read, which will never
+happen -- nothing to wait for, not a fault (before: the outer device took the inner one's
+``DeviceClosed`` as its own sticky error, "closed" while nobody had closed it).
+
+What stays a fault: work of the outer device that would read what the abandoned work was to
+*write* (it can't run correctly); see docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+from _kinds import opencl_missing
+
+import hcqa
+from hcqa.errors import DeviceClosed
+
+SLOW = """
+__kernel void slow(__global float *o, int n) {
+    float a = o[0];
+    for (int i = 0; i < n; i++) a = a * 0.999f + 1.0f;
+    o[0] = a;
+}
+"""
+
+
+async def test_leaving_one_block_by_an_exception_leaves_the_other_usable() -> None:
+    inner = "opencl:0"
+    if (why := opencl_missing()) is not None:
+        pytest.skip(why)
+    with trio.fail_after(60):
+        async with hcqa.open_device("opencl:0") as outer:
+            data = outer.alloc(shape=(4,), dtype="float32")
+            await data.copyin(np.arange(4, dtype=np.float32))
+            with pytest.raises(KeyError):
+                async with hcqa.open_device(inner) as d:
+                    dest = d.alloc(shape=(4,), dtype="float32")
+                    slow = d.program("slow", SLOW)
+                    for _ in range(3):  # the transfer waits behind these (same buffer)
+                        slow(dest, vals=(20_000_000,))
+                    moved = hcqa.transfer(dest, data)  # reads outer's buffer, not yet run
+                    raise KeyError("leave")
+            with pytest.raises(DeviceClosed):
+                await moved
+            assert outer.faulted is None
+            await data.copyin(np.full(4, 7, np.float32))  # waits for the abandoned read
+            got = np.zeros(4, np.float32)
+            await data.copyout(got)
+            assert got.tolist() == [7.0] * 4
+            assert outer.faulted is None
