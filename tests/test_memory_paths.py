@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -784,3 +785,26 @@ def test_array_address_is_numpys_data_pointer(
     ]
     for a in arrays:
         assert buffer.array_address(a) == a.__array_interface__["data"][0], repr(a)
+
+
+async def test_staged_copies_reuse_chunks_only_once_drained(
+    thread_names: Callable[[], set[str]],
+) -> None:
+    """A copy longer than the ring: each chunk is filled again only after its drain (the
+    device side's thread) copied it on; the thread is joined when the device closes."""
+    from hcqa.devices.memory import StagingRing
+
+    before = thread_names()
+    async with hcqa.open_device("cpu:0", hang_limit=5, host_visible=False) as d:
+        d.staging.close()
+        d.staging = StagingRing(chunks=2, chunk_size=4096, name="test ring")  # type: ignore[attr-defined]
+        src = (np.arange(1 << 18, dtype=np.uint32) * 2654435761).astype(np.uint32)
+        buf = d.alloc(shape=src.shape, dtype="uint32")
+        for _ in range(3):
+            await buf.copyin(src)
+            out = np.zeros_like(src)
+            await buf.copyout(out)
+            np.testing.assert_array_equal(out, src)
+            src = src[::-1].copy()
+        assert any("drain" in name for name in thread_names() - before)
+    assert not any("drain" in name for name in thread_names() - before)

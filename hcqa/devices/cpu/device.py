@@ -47,6 +47,7 @@ from hcqa.actors.lane import Encoder, LaneEngine
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
+from hcqa.devices.cpu.staging import Drain
 from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program, check_return
@@ -87,6 +88,7 @@ class CpuDevice(Device):
 
     def __init__(self, name: str, **options: Any) -> None:
         self.staging = StagingRing(name=name)
+        self._drain = Drain(name)  # the device side of staged copies (a thread, when used)
         super().__init__(name, **options)
 
     def _executor(self, kind: str) -> Executor:
@@ -239,12 +241,7 @@ class CpuDevice(Device):
         """Move ``nbytes`` to address ``dest`` through the staging ring, a chunk at a time:
         ``fill(chunk_address, offset, size)`` writes the chunk, then it is copied out.
         Copy engine only: the ring is plain bookkeeping, with that thread its one user."""
-        ring = self.staging
-        for offset, size in ring.split(nbytes):
-            index, chunk, _ = ring.acquire()
-            fill(chunk.address, offset, size)
-            _memmove(dest + offset, chunk.address, size)
-            ring.release(index, self._timeline.reserved)
+        self._drain.copy(self.staging, dest, nbytes, fill, self._timeline.reserved)
 
     def _load_file(self, c: Any) -> None:
         dest: Buffer = c.dest
@@ -266,6 +263,7 @@ class CpuDevice(Device):
     def _release(self) -> None:
         super()._release()
         if not self._hung:
+            self._drain.close()
             self.staging.close()
 
 
