@@ -307,6 +307,10 @@ async def patching(quick: bool) -> None:
         with hcqa.capture() as g_py_sym:
             for i in range(PATCH_KERNELS):
                 py(bufs[i + 1], bufs[i], vals=(n,))
+        qp_sym, qp_const = d.compute_queue(), d.compute_queue()
+        for i in range(PATCH_KERNELS):
+            qp_sym.exec(py, (bufs[i + 1], bufs[i]), vals=(n,))
+            qp_const.exec(py, (bufs[i + 1], bufs[i]), vals=(3,))
         with hcqa.capture() as g_py_const:
             for i in range(PATCH_KERNELS):
                 py(bufs[i + 1], bufs[i], vals=(3,))
@@ -330,6 +334,8 @@ async def patching(quick: bool) -> None:
         cases |= {
             "python: constants": g_py_const.submit,
             "python: variable, changing": lambda: g_py_sym.submit(n=k),
+            "python queue: constants": qp_const.submit,
+            "python queue: variable, changing": lambda: qp_sym.submit({n: k}),
         }
         cases |= {
             "queue: constants": q_const.submit,
@@ -373,12 +379,17 @@ async def patching(quick: bool) -> None:
         )
     )
     ratio = {c: p50[c] / p50["constants"] for c in cases if ":" not in c}
-    for c in ("python: variable, changing", "queue: variable, changing"):
+    for c in (
+        "python: variable, changing",
+        "queue: variable, changing",
+        "python queue: variable, changing",
+    ):
         ratio[c] = p50[c] / p50[c.split(":")[0] + ": constants"]
     targets = [
         ("variable, changing", 1.5),
         ("python: variable, changing", 1.5),
         ("queue: variable, changing", 1.5),
+        ("python queue: variable, changing", 1.5),
         ("variable, unchanged", 1.1),
         ("constants, 2 buffers rebound", 1.2),
     ]

@@ -178,6 +178,7 @@ class Graph:
             bind = False
             for index, slot in part.slots:
                 if slot.patch is not None and index not in touched:
+                    slot.check(values)  # (typed vals: their C range)
                     batch[index] = slot.command  # sent as captured, patched in place:
                     bind = True  # its variables resolve from the Bind (see Bind)
                     continue

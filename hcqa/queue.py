@@ -81,8 +81,8 @@ class Queue:
         self._symbolic_at: list[int] = []  # positions of commands with variables
         self._slots: list[CommandSlot] = []  # one per such position: rebuilt on change only
         self._symbols: dict[Any, None] = {}  # the distinct expressions they mention
-        # (values, whether fused, the commands sent for them)
-        self._last: tuple[dict[Any, int], bool, list[Any]] | None = None
+        # (values, (whether fused, whether patched in place), the commands sent for them)
+        self._last: tuple[dict[Any, int], tuple[bool, bool], list[Any]] | None = None
         # the fused form (see _resolve): None until it is first needed; False when
         # nothing fuses
         self._fused: tuple[list[Any], list[tuple[int, Any]]] | Literal[False] | None = None
@@ -98,7 +98,7 @@ class Queue:
         self.device._check_usable()
         if symbolic:
             self._symbolic_at.append(len(self._commands))
-            slot = CommandSlot(command)
+            slot = CommandSlot(command, in_place=True)  # (the batch then gets a Bind)
             self._slots.append(slot)
             self._symbols.update(dict.fromkeys(slot.symbols))
         self._last = self._fused = None
@@ -255,8 +255,9 @@ class Queue:
                     return list(plan[0])
             return list(self._commands)
         values = {s: resolve(s, var_vals) for s in self._symbols}  # each resolved once
+        mode = (fuse, capture is None)  # (patched in place only outside a capture)
         last = self._last
-        if last is not None and last[1] is fuse and last[0] == values:  # nothing changed
+        if last is not None and last[1] == mode and last[0] == values:  # nothing changed
             return list(last[2])
         plan = self._fused_form() if fuse else None
         if plan:
@@ -266,9 +267,14 @@ class Queue:
                 commands[i] = slot.build(values, var_vals, None)
         else:
             commands = list(self._commands)
+            bind = False
+            in_place = capture is None  # (a graph captures resolved commands)
             for i, slot in zip(self._symbolic_at, self._slots, strict=True):
-                commands[i] = slot.build(values, var_vals, None)  # reused if unchanged
-        self._last = (values, fuse, list(commands))
+                commands[i] = slot.build(values, var_vals, None, in_place)  # reused if unchanged
+                bind = bind or (in_place and slot.patch is not None)
+            if bind:  # commands patched in place resolve their variables from this
+                commands.insert(0, cmd.Bind(values=values))
+        self._last = (values, mode, list(commands))
         return commands
 
     def _check_names(self, var_vals: VarVals) -> None:

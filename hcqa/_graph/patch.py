@@ -96,7 +96,7 @@ class CommandSlot:
     kernel's vals have no C range). Nothing is built per replay, and a replay still in
     flight keeps its own ``Bind``."""
 
-    __slots__ = ("command", "key", "last", "patch", "symbols")
+    __slots__ = ("checks", "command", "key", "last", "patch", "symbols")
 
     def __init__(self, command: Any, *, in_place: bool = False) -> None:
         self.command = command
@@ -104,23 +104,35 @@ class CommandSlot:
         self.key: tuple[int, ...] | None = None
         self.last: Any = None
         # per val: its position in ``symbols`` (or -1: a constant), for an Exec patched
-        # in place (only where the batch gets a Bind: a graph's, with ``in_place``)
+        # in place (only where the batch gets a Bind: with ``in_place``), on a device whose
+        # executor resolves vals from a Bind (``Device._patches_in_place``)
         self.patch: tuple[int, ...] | None = None
-        # (a kernel with typed vals -- C, OpenCL -- is range-checked per replay: no patch)
+        # (symbol, lo, hi, parameter name) per typed val patched in place: checked per build
+        self.checks: tuple[tuple[Any, int, int, str], ...] = ()
         if (
             in_place
             and type(command) is cmd.Exec
-            and command.program.kernel is None
-            and getattr(command.program, "val_ranges", None) is None
+            and command.program.device._patches_in_place(command)
         ):
             sizes = (*command.global_size, *command.local_size)
             if not any(isinstance(v, _SYM) for v in sizes):
                 index = {s: i for i, s in enumerate(self.symbols)}
                 self.patch = tuple(index.get(v, -1) if isinstance(v, _SYM) else -1
                                    for v in command.vals)  # fmt: skip
+                ranges = getattr(command.program, "val_ranges", None) or ()
+                self.checks = tuple(
+                    (v, lo, hi, name)
+                    for v, (name, lo, hi) in zip(command.vals, ranges, strict=False)
+                    if isinstance(v, _SYM)
+                )
 
-    def build(self, values: dict[Any, int], bound: Any, rebind: Rebind | None) -> Any:
-        if self.patch is not None and rebind is None:
+    def build(
+        self, values: dict[Any, int], bound: Any, rebind: Rebind | None, in_place: bool = True
+    ) -> Any:
+        """The command to send for ``values`` (``in_place``: False to resolve even a command
+        patched in place, for a batch without a Bind)."""
+        if self.patch is not None and rebind is None and in_place:
+            self.check(values)
             return self.command  # patched in place: its batch carries a Bind (see Bind)
         key = tuple([values[s] for s in self.symbols])
         if rebind is None and key == self.key:
@@ -131,6 +143,15 @@ class CommandSlot:
             self.key, self.last = key, out
         return out
 
+    def check(self, values: dict[Any, int]) -> None:
+        """Refuse values out of the C range of a typed val patched in place."""
+        for v, lo, hi, name in self.checks:
+            if not lo <= values[v] <= hi:
+                prog = self.command.program.name
+                raise InvalidCommand(
+                    f"{prog!r} val {name!r} must be in [{lo}, {hi}] (got {values[v]})"
+                )
+
 
 class RunSlot:
     """A fused run with symbolic entries (``hcqa/devices/fusion.py``), bound anew only
@@ -138,6 +159,7 @@ class RunSlot:
     rebound buffers) into a fresh copy of its argument table."""
 
     patch = None  # never patched in place (see CommandSlot)
+    checks = ()
 
     __slots__ = ("key", "last", "run", "symbols")
 

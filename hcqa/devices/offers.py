@@ -10,6 +10,8 @@ it here (docs/architecture.md, "The backend seam"):
 
 * ``_fusable`` / ``_fuse`` -- runs of launches as one command (``fusion.py``);
 * ``driver_waits`` / ``_driver_wait`` -- a Wait the driver keeps, instead of the host;
+* ``_patches_in_place`` -- symbolic vals resolved at launch from the batch's ``Bind``, so a
+  resubmit with new values sends its commands as built;
 * ``_inline`` -- a lone short command run on the caller's thread;
 * ``native_runner``, ``shares_native`` -- what an engine may call directly and what a
   program's launch record may hand to its repeat calls.
@@ -61,6 +63,15 @@ class FastPaths:
         inline on the caller's thread (see ``actor.py``): only what surely takes a few
         tens of microseconds. None by default."""
         return False
+
+    def _patches_in_place(self, exec_: cmd.Exec) -> bool:
+        """Whether this device's executor resolves ``exec_``'s symbolic vals itself, at
+        launch, from the ``Bind`` its batch starts with (``commands.Bind``): a queue or
+        graph submitted with new values then sends its commands as built, with one
+        ``Bind`` (``_graph/patch.py``, ``CommandSlot``), instead of a new command per
+        launch. By default a Python kernel's (the cpu engine resolves them); typed vals
+        are still range-checked at submit, once per value."""
+        return exec_.program.kernel is None and getattr(exec_.program, "val_ranges", 1) is None
 
     def _fusable(self, exec_: cmd.Exec) -> bool:
         """Whether ``exec_`` may join a fused run (``fusion.py``): graphs and queues

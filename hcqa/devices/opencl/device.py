@@ -127,6 +127,11 @@ class OpenCLDevice(Device):
         """A Wait the driver keeps (``ClExecutor.hold``): a Gate, or None."""
         return actor.engine.hold(signal, value)
 
+    def _patches_in_place(self, exec_: Any) -> bool:
+        """Every launch: a symbolic val is resolved from the batch's Bind when its launch
+        record sets the kernel's arguments (``program.Patched``)."""
+        return True
+
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         if options.get("geometry"):
             raise InvalidCommand(

@@ -66,6 +66,7 @@ from hcqa.actors import engine as _engine
 from hcqa.devices.opencl import runtime
 from hcqa.devices.opencl.completion import Completion, Segment
 from hcqa.devices.opencl.copies import DriverCopies
+from hcqa.devices.opencl.program import Patched
 from hcqa.devices.opencl.waits import Gate, hold, wait_list
 from hcqa.signals import Signal
 
@@ -73,6 +74,7 @@ __all__ = ["ClExecutor", "Segment"]
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
+_BIND = cmd.Bind
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 # Segments of one queue in the driver at once (see the module doc): enough to keep a device
 # fed while the pump refills, few enough that a cancelled close waits for little.
@@ -111,6 +113,7 @@ class ClExecutor(DriverCopies, Completion):
         self._launch = self._low.enqueue_nd_range_kernel
         self._gate: list[Gate] | None = None  # Gates the next driver command waits for
         self._own: Signal | None = None  # this queue's signal (set by the device)
+        self._bound: list[Any] = [{}]  # the values of the latest Bind (see program.Patched)
 
     def hold(self, signal: Signal, value: int) -> Gate | None:
         """A Gate for ``Wait(signal, value)`` when the driver can keep it (``waits.py``)."""
@@ -312,6 +315,8 @@ class ClExecutor(DriverCopies, Completion):
                     starts.append(c.signal)
                 else:
                     books.append(("stamp", c.signal, None, False))
+            elif kind is _BIND:  # values for the launches after it patched in place
+                self._bound[0] = c.values
             elif kind is Gate:  # a Wait the driver keeps: the next command waits for it
                 if starts:  # Timestamps before the wait: taken before it, at this segment's end
                     books.extend(("stamp", s, None, False) for s in starts)
@@ -348,6 +353,8 @@ class ClExecutor(DriverCopies, Completion):
         rec = c.native
         if rec is None:
             rec = c.program.record(c)
+            if type(rec[3]) is Patched:  # its variables: from this queue's latest Bind
+                rec[3].cell = self._bound
             object.__setattr__(c, "native", rec)
         if rec[3] is not c.program.cl_args:
             c.program.set_args(rec[3])

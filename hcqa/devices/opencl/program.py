@@ -39,14 +39,14 @@ from hcqa import commands as cmd
 from hcqa.devices.opencl.runtime import cl
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
-from hcqa.variables import IntLike
+from hcqa.variables import Expr, IntLike, Variable
 
 if TYPE_CHECKING:
     from hcqa.devices.base import Device
     from hcqa.devices.buffer import Buffer
     from hcqa.devices.opencl.runtime import ClHost
 
-__all__ = ["ClProgram", "build"]
+__all__ = ["ClProgram", "Patched", "build"]
 
 _SCALARS = {
     "char": np.int8, "uchar": np.uint8, "unsigned char": np.uint8,
@@ -186,7 +186,9 @@ class ClProgram(Program):
         self.check_buffers(cast("tuple[Buffer, ...]", exec_.buffers))
         return exec_
 
-    def record(self, c: cmd.Exec) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]:
+    def record(
+        self, c: cmd.Exec
+    ) -> tuple[Any, tuple[int, ...], tuple[int, ...], tuple[Any, ...] | Patched]:
         """The launch record of ``c`` (executor only): (kernel, NDRange, local size, args)."""
         g = cast("tuple[int, int, int]", c.global_size)  # concrete by the time it runs
         n = cast("tuple[int, int, int]", c.local_size)
@@ -194,18 +196,43 @@ class ClProgram(Program):
         bufs = cast("tuple[Buffer, ...]", c.buffers)
         mems = tuple(b._mem.arg(b.offset, b.nbytes) for b in bufs)  # type: ignore[attr-defined]
         args = mems + cast("tuple[int, ...]", c.vals)
+        if any(type(v) is not int for v in c.vals):  # patched in place: values at launch
+            return (self.cl_kernel, size, n, Patched(args))
         if args == self.cl_args:  # one tuple for equal arguments: the executor checks identity
             args = self.cl_args
         return (self.cl_kernel, size, n, args)
 
-    def set_args(self, args: tuple[Any, ...]) -> None:
-        """Make ``args`` the kernel's arguments, setting those that differ (executor only)."""
+    def set_args(self, args: tuple[Any, ...] | Patched) -> None:
+        """Make ``args`` the kernel's arguments, setting those that differ (executor only);
+        a :class:`Patched` record's with its variables' values now."""
+        if isinstance(args, Patched):
+            args = args.now()
         now, kernel = self.cl_args, self.cl_kernel
         base = len(args) - len(self._types)
         for i, a in enumerate(args):
             if i >= len(now) or (now[i] is not a and now[i] != a):
                 kernel.set_arg(i, a if i < base else self._types[i - base](a))
         self.cl_args = args
+
+
+class Patched:
+    """The arguments of a launch record whose vals hold variables (a queue or graph
+    patched in place): resolved at each launch from the values of the latest ``Bind`` its
+    executor ran (``cell[0]``), so new values cost no new command or record."""
+
+    __slots__ = ("args", "at", "cell")
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+        self.cell: list[Any] = [{}]  # the executor's (set at its first launch)
+        self.at = tuple(i for i, a in enumerate(args) if isinstance(a, (Variable, Expr)))
+
+    def now(self) -> tuple[Any, ...]:
+        values = self.cell[0]
+        out = list(self.args)
+        for i in self.at:
+            out[i] = values[out[i]]
+        return tuple(out)
 
 
 @attrs.frozen
