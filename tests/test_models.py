@@ -61,6 +61,21 @@ async def test_a_tinygrad_mlp_gives_tinygrads_answer_bit_for_bit(kind: str) -> N
         assert st.weight_bytes >= (64 * 96 + 96 + 96 * 10) * 4
 
 
+async def test_the_process_keeps_its_c_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CC is set to a clang only around tinygrad's capture and the builds of its C."""
+    import os
+
+    monkeypatch.delenv("CC", raising=False)
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        forward, x = _mlp(models.tinygrad_device(dev), seed=4)
+        m = await models.from_tinygrad(forward, [x], device=dev)
+        assert "CC" not in os.environ
+        assert (await m(x)).shape == (8, 10)
+        monkeypatch.setenv("CC", "cc")  # the user's own stays theirs
+        models.tinygrad_device(dev)
+        assert os.environ["CC"] == "cc"
+
+
 async def test_bad_inputs_are_refused_before_anything_is_queued_and_it_still_answers() -> None:
     async with hcqa.open_devices("cpu:0") as (dev,):
         where = models.tinygrad_device(dev)

@@ -59,7 +59,6 @@ def _check_version() -> None:
 _check_version()
 _toolchain.apply_pocl_defaults()
 _toolchain.ensure_opencl(required=False)  # before tinygrad probes its devices
-_toolchain.ensure_cc(required=False)
 
 from tinygrad import Context, Tensor, TinyJit  # noqa: E402
 from tinygrad import Variable as TgVariable  # noqa: E402
@@ -89,7 +88,7 @@ def prepare(kind: str) -> str:
     if kind == "opencl":
         _toolchain.ensure_opencl()
         return "CL"
-    _toolchain.ensure_cc()
+    _toolchain.find_cc()  # refused here, by name, when there is no clang at all
     return "CPU"
 
 
@@ -256,7 +255,9 @@ def capture(
     tvars = {n: TgVariable(n, lo, hi) for n, (lo, hi) in variables.items()}
     jit = TinyJit(fn)
     ret: Any = None
-    with Context(DEV=device, JIT=2):
+    compiler = _toolchain.clang_env() if kind == "cpu" else contextlib.nullcontext()
+    with compiler, Context(DEV=device, JIT=2):
+        tg_helpers.getenv("CC", "clang")  # tinygrad reads $CC once: now, within clang_env
         for step in range(2):
             xs = [Tensor(np.ascontiguousarray(a), device=device).realize() for a in inputs]
             kw = {

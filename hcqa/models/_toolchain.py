@@ -5,14 +5,15 @@ Theory of operation
 **A clang.** tinygrad's CPU device renders C that only clang accepts (``ext_vector_type``
 vectors) and compiles it with ``$CC`` (default ``clang``, taken as one word, read once per
 process). hcqa compiles the same source for ``cpu:N`` with the same compiler, through its own
-C cache (which also reads ``$CC``). :func:`ensure_cc` picks, unless ``$CC`` is already set:
+C cache (which also reads ``$CC``). :func:`find_cc` picks, unless ``$CC`` is already set:
 the system's ``clang``, else the ``ziglang`` wheel (installed by ``pip install -e '.[models]'``,
 whose ``zig cc`` *is* clang) behind a small private wrapper script, which turns tinygrad's
 bare-metal target triple (``--target=x86_64-none-unknown-elf``) into zig's spelling
 (``-target x86_64-freestanding-none``) and turns off the debug info zig emits by default
-(tinygrad's ELF loader refuses its absolute relocations). It sets ``$CC`` for the process:
-every C kernel hcqa compiles from then on uses that compiler (the cache key names the
-compiler, so nothing built by another compiler is reused by mistake).
+(tinygrad's ELF loader refuses its absolute relocations). :func:`clang_env` sets ``$CC`` to it
+only around tinygrad's capture (tinygrad reads ``$CC`` once, at its first compile, and keeps
+it) and around hcqa's builds of tinygrad's C, then restores it: hcqa's other kernels keep the
+process's compiler (the cache key names the compiler, so nothing is mixed up).
 
 **pip's PoCL for tinygrad's CL device.** PyOpenCL's wheel carries its own ICD loader
 (``pyopencl/.libs/libOpenCL-*.so*``), and PoCL's entry in it finds PoCL through
@@ -27,16 +28,18 @@ probe its devices (and read ``$CC`` / ``$OPENCL_PATH``, once) before any model a
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from hcqa.errors import InvalidCommand, install_hint
 
-__all__ = ["apply_pocl_defaults", "ensure_cc", "ensure_opencl", "zig_wrapper"]
+__all__ = ["apply_pocl_defaults", "clang_env", "ensure_opencl", "find_cc", "zig_wrapper"]
 
 _WRAPPER = """#!/bin/sh
 # Written by hcqa.models: zig's bundled clang as a C compiler for tinygrad's kernels.
@@ -88,23 +91,36 @@ def zig_wrapper() -> str | None:
     return str(path)
 
 
-def ensure_cc(required: bool = True) -> str | None:
-    """``$CC`` for tinygrad and hcqa: the user's, else ``clang``, else the zig wrapper (None
-    when there is none and ``required`` is false)."""
+def find_cc() -> str:
+    """The C compiler for tinygrad's kernels: ``$CC`` when the user set it, else ``clang``,
+    else the zig wrapper; InvalidCommand when there is none."""
     cc = os.environ.get("CC", "").strip()
     if cc:
         return cc
     found = shutil.which("clang") or zig_wrapper()
-    if found is None and not required:
-        return None
     if found is None:
         raise InvalidCommand(
             "tinygrad's CPU kernels need clang: install hcqa's 'models' extra (it brings "
             "the ziglang wheel, whose 'zig cc' is a clang), install clang, or set $CC to one "
             "(got no clang on PATH and no ziglang package)"
         )
-    os.environ["CC"] = found
     return found
+
+
+@contextlib.contextmanager
+def clang_env() -> Iterator[str]:
+    """``$CC`` set to :func:`find_cc` for the block (tinygrad's compiles, hcqa's builds of
+    tinygrad's C), then restored: the rest of the process keeps its own compiler."""
+    cc = find_cc()
+    old = os.environ.get("CC")
+    os.environ["CC"] = cc
+    try:
+        yield cc
+    finally:
+        if old is None:
+            os.environ.pop("CC", None)
+        else:
+            os.environ["CC"] = old
 
 
 def apply_pocl_defaults() -> None:

@@ -20,6 +20,7 @@ graph (one submit per queue) and returns copies of its own rows of the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from hcqa import aio
 from hcqa.devices import Buffer, Device, Program
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
+from hcqa.models import _toolchain
 from hcqa.models.lifted import Arg, Lifted, Sym, TensorSpec
 from hcqa.signals import Fence
 from hcqa.variables import IntLike, Variable
@@ -131,17 +133,20 @@ async def build(
         return got
 
     programs: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], Program] = {}
-    for k in lifted.kernels:
-        key = (k.source, k.entry, k.writes, k.reads)
-        if key not in programs:
-            programs[key] = await device.program_async(
-                k.name,
-                k.source,
-                entry=k.entry,
-                writes=k.writes,
-                reads=k.reads,
-                flags=lifted.flags,
-            )
+    # tinygrad's C needs the clang it was rendered for: $CC set around these builds only
+    compiler = _toolchain.clang_env() if lifted.language == "c" else contextlib.nullcontext()
+    with compiler:
+        for k in lifted.kernels:
+            key = (k.source, k.entry, k.writes, k.reads)
+            if key not in programs:
+                programs[key] = await device.program_async(
+                    k.name,
+                    k.source,
+                    entry=k.entry,
+                    writes=k.writes,
+                    reads=k.reads,
+                    flags=lifted.flags,
+                )
     host_in = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.inputs)
     host_out = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.outputs)
     launches = 0

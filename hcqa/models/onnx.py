@@ -40,7 +40,7 @@ from hcqa import aio
 from hcqa.devices import Device
 from hcqa.errors import InvalidCommand, install_hint
 from hcqa.graph import capture
-from hcqa.models import _toolchain, cache
+from hcqa.models import cache
 from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import Lifted, TensorSpec
 from hcqa.models.model import Bucket, Model, build
@@ -199,8 +199,6 @@ async def _lifted(path: Path, model: Any, examples: list[np.ndarray], kind: str)
     )
     hit = await trio.to_thread.run_sync(cache.load, key)
     if hit is not None:
-        if hit.language == "c":
-            _toolchain.ensure_cc()  # the kernels are compiled with the same clang
         return hit
     from hcqa.models import _tinygrad
 
