@@ -8,6 +8,7 @@ answered as raw bytes. The endpoint runs each request's ``session.run`` in Starl
 pool (what FastAPI does for a plain ``def`` endpoint; onnxruntime releases the GIL and takes
 concurrent runs): no batching, as most such deployments run.
 
+    pip install -e '.[asyncio,models]'
     python examples/fastapi_onnx_app.py --model net.onnx --port 8000
 """
 
