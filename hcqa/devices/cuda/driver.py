@@ -39,6 +39,54 @@ from typing import Any
 
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import library
+from hcqa.devices.nativestores import (  # the slot layout hostfn.c reads
+    DONE as DONE,
+)
+from hcqa.devices.nativestores import (
+    FD as FD,
+)
+from hcqa.devices.nativestores import (
+    FIRED as FIRED,
+)
+from hcqa.devices.nativestores import (
+    HOST_NS as HOST_NS,
+)
+from hcqa.devices.nativestores import (
+    MAX_STORES as MAX_STORES,
+)
+from hcqa.devices.nativestores import (
+    NSTORES as NSTORES,
+)
+from hcqa.devices.nativestores import (
+    STATUS as STATUS,
+)
+from hcqa.devices.nativestores import (
+    STORES as STORES,
+)
+from hcqa.devices.nativestores import (
+    TL2_ARG as TL2_ARG,
+)
+from hcqa.devices.nativestores import (
+    TL2_FN as TL2_FN,
+)
+from hcqa.devices.nativestores import (
+    TL2_SEQ as TL2_SEQ,
+)
+from hcqa.devices.nativestores import (
+    TL_ARG as TL_ARG,
+)
+from hcqa.devices.nativestores import (
+    TL_FN as TL_FN,
+)
+from hcqa.devices.nativestores import (
+    TL_SEQ as TL_SEQ,
+)
+from hcqa.devices.nativestores import (
+    WAKE as WAKE,
+)
+from hcqa.devices.nativestores import (
+    WORDS as WORDS,
+)
 from hcqa.errors import HcqaError, InvalidCommand, install_hint
 
 __all__ = [
@@ -53,11 +101,7 @@ __all__ = [
     "native",
 ]
 
-WORDS = 20
-FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
-TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
-TL2_FN, TL2_ARG, TL2_SEQ, PRE, DONE = 15, 16, 17, 18, 19
-MAX_STORES = 2
+PRE = 18  # hostfn.c: the slot word (free in the shared layout) pointing at stores done first
 
 _lock = threading.Lock()
 _contexts: dict[int, Any] = {}

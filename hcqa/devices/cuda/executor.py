@@ -49,7 +49,7 @@ from hcqa.actors import engine as _engine
 from hcqa.devices.cuda import driver as drv
 from hcqa.devices.cuda.copies import SMALL, STAGING, HostCopies, _Pinned, _Temp
 from hcqa.devices.cuda.memory import CuMemory
-from hcqa.devices.timeline import WRAP, _value
+from hcqa.devices.nativestores import NativeStores
 from hcqa.errors import DeviceFault
 from hcqa.signals import Signal
 
@@ -95,7 +95,7 @@ class Segment:
         self.foreign: tuple[Any, int] | None = None
 
 
-class CuExecutor(HostCopies):
+class CuExecutor(HostCopies, NativeStores):
     """Enqueues runs on one CUDA stream; completion through host functions and the pump."""
 
     def __init__(
@@ -308,64 +308,9 @@ class CuExecutor(HostCopies):
             self.device._slots.give(words, seg.address)
             raise
 
-    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Let the host function complete what needs no Python (see the module doc), while
-        nothing before it does; the books left to the pump."""
-        words = seg.words
-        own = self.device._queues[self.kind].signal
-        timeline = self.timeline
-        c_timeline = timeline.c_address if self._native.tl_complete else None
-        left: list[tuple[Any, ...]] = []
-        n = 0
-        native = self._native.c_host_functions
-        for book in books:
-            if native and book[0] == "signal" and book[1] is own and n < drv.MAX_STORES:
-                self._store(words, n, own, book[2])
-                n += 1
-                continue
-            if native and book[0] == "step" and book[1] is timeline:
-                seq = book[2]
-                if c_timeline is not None:
-                    words[drv.TL_FN] = self._native.tl_complete
-                    words[drv.TL_ARG] = c_timeline
-                    words[drv.TL_SEQ] = seq
-                    native = False
-                    last = len(books) > 1 and book is books[-2]
-                    foreign = self._foreign_step(books[-1], words) if last else None
-                    if foreign is not None:
-                        seg.foreign = foreign
-                        words[drv.NSTORES] = n
-                        return left
-                    continue
-                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
-                if in_order and seq % WRAP != 1 and n < drv.MAX_STORES:
-                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
-                    n += 1
-                    self._ordered = seq
-            else:
-                native = False
-            left.append(book)
-        words[drv.NSTORES] = n
-        return left
-
-    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
-        """A transfer's last step on the other device's C timeline, for the host function."""
-        if book[0] != "step":
-            return None
-        tl, seq = book[1], book[2]
-        if tl.c_address is None or not tl.take_foreign(seq):
-            return None
-        words[drv.TL2_FN] = self._native.tl_complete
-        words[drv.TL2_ARG] = tl.c_address
-        words[drv.TL2_SEQ] = seq
-        return tl, seq
-
-    @staticmethod
-    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
-        base = drv.STORES + 3 * i
-        words[base] = signal.address
-        words[base + 1] = value
-        words[base + 2] = signal.fd
+    @property
+    def _stores_in_callback(self) -> bool:
+        return bool(self._native.c_host_functions)  # not through the ctypes fallback
 
     def probe(self) -> None:
         """A segment with nothing to do but sample the clocks."""

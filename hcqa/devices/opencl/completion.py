@@ -4,9 +4,10 @@ Theory of operation
 -------------------
 A :class:`Segment` is the driver commands of a run up to one event and the bookkeeping to do
 once that event completed (``executor.py`` closes it). Where nothing Python must do comes
-first, the native callback does it itself (``_native_stores``): this queue's own signal,
-this device's timeline step through its C timeline, and a transfer's last step on the other
-device's C timeline (``_foreign_step``) -- their waiters wake straight from the driver's
+first, the native callback does it itself (``_native_stores``, shared with every driver
+backend in ``hcqa/devices/nativestores.py``): this queue's own signal, this device's
+timeline step through its C timeline, and a transfer's last step on the other device's C
+timeline (``_foreign_step``) -- their waiters wake straight from the driver's
 thread. What is left (timestamps from the profiling counters, other signals, the Python
 timeline's bookkeeping, trace ranges) the device's pump does on the loop (``complete``);
 a segment the driver failed breaks its signals instead (``fail``).
@@ -21,10 +22,9 @@ import ctypes
 from typing import TYPE_CHECKING, Any
 
 from hcqa.actors import engine as _engine
+from hcqa.devices.nativestores import NativeStores
 from hcqa.devices.opencl import runtime, waits
-from hcqa.devices.timeline import WRAP, _value
 from hcqa.errors import DeviceFault
-from hcqa.signals import Signal
 
 if TYPE_CHECKING:
     from hcqa.devices.opencl.waits import Gate
@@ -55,7 +55,7 @@ class Segment:
         self.gates: list[Gate] | None = None  # waits the driver kept for its commands
 
 
-class Completion:
+class Completion(NativeStores):
     """A queue's segments completed: natively, or by the pump (see the module doc)."""
 
     device: runtime.ClHost
@@ -64,76 +64,6 @@ class Completion:
     completed: int
     _native: Any
     _ordered: int
-
-    def _native_stores(self, seg: Segment, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """Let the callback itself complete what needs no Python, while nothing before it
-        does (a timestamp, say): this queue's own signal, and this device's timeline step
-        -- through the device's C timeline (``hcqa/_native/lane.py``), which keeps the
-        completed prefix, the wrap and the wake-ups whatever order steps complete in; or,
-        without one, directly when every earlier step is done or enqueued before it on this
-        queue (the pump then does the Python timeline's bookkeeping). The waiters of those
-        wake straight from the driver's thread. Returns the books left to the pump."""
-        words = seg.words
-        own = self.device._queues[self.kind].signal
-        timeline = self.timeline
-        c_timeline = timeline.c_address
-        left: list[tuple[Any, ...]] = []
-        n = 0
-        native = True
-        for book in books:
-            if native and book[0] == "signal" and book[1] is own and n < runtime.MAX_STORES:
-                self._store(words, n, own, book[2])
-                n += 1
-                continue
-            if native and book[0] == "step" and book[1] is timeline:
-                seq = book[2]
-                if c_timeline is not None:
-                    words[runtime.TL_FN] = self._native.tl_complete
-                    words[runtime.TL_ARG] = c_timeline
-                    words[runtime.TL_SEQ] = seq
-                    native = False  # what follows waits for the pump
-                    last = len(books) > 1 and book is books[-2]  # only a step follows
-                    foreign = self._foreign_step(books[-1], words) if last else None
-                    if foreign is not None:  # a transfer's step on the other device
-                        seg.foreign = foreign
-                        words[runtime.NSTORES] = n
-                        return left
-                    continue
-                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
-                if in_order and seq % WRAP != 1 and n < runtime.MAX_STORES:
-                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
-                    n += 1
-                    self._ordered = seq
-            else:
-                native = False
-            left.append(book)
-        words[runtime.NSTORES] = n
-        return left
-
-    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
-        """Hand the callback a transfer's last step, on the other device's C timeline (an
-        OpenCL device's, or a cpu device's that this copy writes to): (timeline, seq), or
-        None to leave it to the pump. The callback completes the step under that timeline's
-        mutex, and its owner takes the mutex before it closes anything the callback touches
-        (``Timeline.close``)."""
-        if book[0] != "step":
-            return None
-        tl, seq = book[1], book[2]
-        if tl.c_address is None:
-            return None
-        if not tl.take_foreign(seq):
-            return None
-        words[runtime.TL2_FN] = self._native.tl_complete
-        words[runtime.TL2_ARG] = tl.c_address
-        words[runtime.TL2_SEQ] = seq
-        return tl, seq
-
-    @staticmethod
-    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
-        base = runtime.STORES + 3 * i
-        words[base] = signal.address
-        words[base + 1] = value
-        words[base + 2] = signal.fd
 
     def complete(self, seg: Segment) -> None:
         """Do a fired segment's work, in order."""

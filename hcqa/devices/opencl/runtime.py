@@ -34,16 +34,59 @@ from typing import Any, Protocol
 
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import library
+from hcqa.devices.nativestores import (  # the slot layout callback.c reads
+    DONE as DONE,
+)
+from hcqa.devices.nativestores import (
+    FD as FD,
+)
+from hcqa.devices.nativestores import (
+    FIRED as FIRED,
+)
+from hcqa.devices.nativestores import (
+    HOST_NS as HOST_NS,
+)
+from hcqa.devices.nativestores import (
+    MAX_STORES as MAX_STORES,
+)
+from hcqa.devices.nativestores import (
+    NSTORES as NSTORES,
+)
+from hcqa.devices.nativestores import (
+    STATUS as STATUS,
+)
+from hcqa.devices.nativestores import (
+    STORES as STORES,
+)
+from hcqa.devices.nativestores import (
+    TL2_ARG as TL2_ARG,
+)
+from hcqa.devices.nativestores import (
+    TL2_FN as TL2_FN,
+)
+from hcqa.devices.nativestores import (
+    TL2_SEQ as TL2_SEQ,
+)
+from hcqa.devices.nativestores import (
+    TL_ARG as TL_ARG,
+)
+from hcqa.devices.nativestores import (
+    TL_FN as TL_FN,
+)
+from hcqa.devices.nativestores import (
+    TL_SEQ as TL_SEQ,
+)
+from hcqa.devices.nativestores import (
+    WAKE as WAKE,
+)
+from hcqa.devices.nativestores import (
+    WORDS as WORDS,
+)
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
 
 __all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
 
-WORDS = 20  # uint64 words per slot (see callback.c)
-FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
-TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
-TL2_FN, TL2_ARG, TL2_SEQ, DONE = 15, 16, 17, 19
-MAX_STORES = 2
 CL_COMPLETE = 0
 
 _lock = threading.Lock()

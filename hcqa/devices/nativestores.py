@@ -1,0 +1,113 @@
+"""Completion slots: what a driver backend's native completion does without Python.
+
+Theory of operation
+-------------------
+A driver backend (OpenCL's event callback, CUDA's host function) completes a segment of a
+queue's work through a *slot* of ``WORDS`` uint64 words that its C completion function reads
+on the driver's thread (``hcqa/devices/opencl/callback.c``, ``hcqa/devices/cuda/hostfn.c``
+share this layout): up to ``MAX_STORES`` signal stores (address, value, eventfd), a call
+completing a step of this device's C timeline (``TL_*``), and one completing a transfer's last
+step on the other device's C timeline (``TL2_*``). Whatever the slot does, its waiters wake
+straight from the driver's thread; the rest is left to the device's pump on the loop.
+
+:class:`NativeStores`, a mixin of each backend's executor, fills a segment's slot from its
+bookkeeping: while nothing before it needs Python (a timestamp, say), this queue's own signal,
+and this device's timeline step -- through the device's C timeline (``hcqa/_native/lane.py``),
+which keeps the completed prefix, the wrap and the wake-ups whatever order steps complete in;
+or, without one, directly when every earlier step is done or enqueued before it on this queue
+(the pump then does the Python timeline's bookkeeping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hcqa.devices.timeline import WRAP, _value
+from hcqa.signals import Signal
+
+__all__ = ["MAX_STORES", "WORDS", "NativeStores"]
+
+WORDS = 20  # uint64 words per slot
+FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
+TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
+TL2_FN, TL2_ARG, TL2_SEQ, DONE = 15, 16, 17, 19
+MAX_STORES = 2
+
+
+class NativeStores:
+    """Fills a segment's slot with what the native completion can do itself (see the
+    module doc). The executor sets the attributes declared below; ``_stores_in_callback``
+    is False where the completion runs Python anyway (a ctypes fallback)."""
+
+    device: Any
+    kind: str
+    timeline: Any
+    _native: Any
+    _ordered: int
+
+    @property
+    def _stores_in_callback(self) -> bool:
+        return True
+
+    def _native_stores(self, seg: Any, books: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Write into ``seg.words`` what the native completion does itself, while nothing
+        before it needs Python; returns the books left to the pump."""
+        words = seg.words
+        own = self.device._queues[self.kind].signal
+        timeline = self.timeline
+        c_timeline = timeline.c_address if self._native.tl_complete else None
+        left: list[tuple[Any, ...]] = []
+        n = 0
+        native = self._stores_in_callback
+        for book in books:
+            if native and book[0] == "signal" and book[1] is own and n < MAX_STORES:
+                self._store(words, n, own, book[2])
+                n += 1
+                continue
+            if native and book[0] == "step" and book[1] is timeline:
+                seq = book[2]
+                if c_timeline is not None:
+                    words[TL_FN] = self._native.tl_complete
+                    words[TL_ARG] = c_timeline
+                    words[TL_SEQ] = seq
+                    native = False  # what follows waits for the pump
+                    last = len(books) > 1 and book is books[-2]  # only a step follows
+                    foreign = self._foreign_step(books[-1], words) if last else None
+                    if foreign is not None:  # a transfer's step on the other device
+                        seg.foreign = foreign
+                        words[NSTORES] = n
+                        return left
+                    continue
+                in_order = seq - 1 <= timeline.done or seq - 1 == self._ordered
+                if in_order and seq % WRAP != 1 and n < MAX_STORES:
+                    self._store(words, n, timeline.signals[(seq - 1) // WRAP % 2], _value(seq))
+                    n += 1
+                    self._ordered = seq
+            else:
+                native = False
+            left.append(book)
+        words[NSTORES] = n
+        return left
+
+    def _foreign_step(self, book: tuple[Any, ...], words: Any) -> tuple[Any, int] | None:
+        """Hand the completion a transfer's last step, on the other device's C timeline (a
+        driver device's, or a cpu device's that this copy writes to): (timeline, seq), or
+        None to leave it to the pump. The completion finishes the step under that timeline's
+        mutex, and its owner takes the mutex before it closes anything the completion
+        touches (``Timeline.close``)."""
+        if book[0] != "step":
+            return None
+        tl, seq = book[1], book[2]
+        if tl.c_address is None or not tl.take_foreign(seq):
+            return None
+        words[TL2_FN] = self._native.tl_complete
+        words[TL2_ARG] = tl.c_address
+        words[TL2_SEQ] = seq
+        return tl, seq
+
+    @staticmethod
+    def _store(words: Any, i: int, signal: Signal, value: int) -> None:
+        base = STORES + 3 * i
+        words[base] = signal.address
+        words[base + 1] = value
+        words[base + 2] = signal.fd
