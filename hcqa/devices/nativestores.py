@@ -20,18 +20,83 @@ or, without one, directly when every earlier step is done or enqueued before it 
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from typing import Any
 
 from hcqa.devices.timeline import WRAP, _value
 from hcqa.signals import Signal
 
-__all__ = ["MAX_STORES", "WORDS", "NativeStores"]
+__all__ = ["MAX_STORES", "WORDS", "NativeStores", "SlotTable", "Words", "keep_forever"]
 
 WORDS = 20  # uint64 words per slot
 FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
 TL_FN, TL_ARG, TL_SEQ, HOST_NS, WAKE = 10, 11, 12, 13, 14
-TL2_FN, TL2_ARG, TL2_SEQ, DONE = 15, 16, 17, 19
+TL2_FN, TL2_ARG, TL2_SEQ, PRE, DONE = 15, 16, 17, 18, 19  # PRE: CUDA's stores done first
 MAX_STORES = 2
+
+Words = ctypes.Array[ctypes.c_uint64]  # one slot's words (ctypes: cheap item access)
+_SLOT = ctypes.c_uint64 * WORDS
+_lock = threading.Lock()
+_abandoned: list[Any] = []  # slot pages a late completion may still write: kept for good
+_dead_fd = -1  # the eventfd abandoned slots point at (opened once, never closed)
+
+
+def _dead() -> int:
+    global _dead_fd
+    with _lock:
+        if _dead_fd < 0:
+            _dead_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return _dead_fd
+
+
+def keep_forever(obj: Any) -> None:
+    """Keep ``obj`` (a segment the driver may still complete) for the life of the process."""
+    _abandoned.append(obj)
+
+
+class SlotTable:
+    """The completion slots of one device, in pages that live as long as the device (or, once
+    a slot is abandoned, as long as the process). Loop-thread bookkeeping only."""
+
+    PAGE = 256
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._pages: list[ctypes.Array[ctypes.c_uint64]] = []
+        self._free: list[tuple[Words, int]] = []
+        self.in_use = 0
+
+    def take(self) -> tuple[Words, int]:
+        """A clean slot: (its words, its address)."""
+        if not self._free:
+            page = (ctypes.c_uint64 * (WORDS * self.PAGE))()
+            self._pages.append(page)
+            base = ctypes.addressof(page)
+            size = WORDS * 8
+            self._free.extend(
+                (_SLOT.from_buffer(page, i * size), base + i * size) for i in range(self.PAGE)
+            )
+        words, address = self._free.pop()
+        words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
+        words[TL_FN] = words[TL2_FN] = words[PRE] = 0
+        words[WAKE] = 1
+        words[FD] = self.fd
+        self.in_use += 1
+        return words, address
+
+    def give(self, words: Words, address: int) -> None:
+        """Return a slot whose ``done`` word is set."""
+        self._free.append((words, address))
+        self.in_use -= 1
+
+    def abandon(self, words: Words) -> None:
+        """A slot whose completion may come at any time, even after the device is gone."""
+        words[FD] = _dead()
+        words[NSTORES] = words[TL_FN] = words[TL2_FN] = words[PRE] = 0
+        _abandoned.append(self._pages)  # the pages stay mapped for the process's life
+        self.in_use -= 1
 
 
 class NativeStores:

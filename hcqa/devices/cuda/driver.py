@@ -39,75 +39,64 @@ from typing import Any
 
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import library
-from hcqa.devices.nativestores import (  # the slot layout hostfn.c reads
-    DONE as DONE,
-)
-from hcqa.devices.nativestores import (
-    FD as FD,
-)
-from hcqa.devices.nativestores import (
-    FIRED as FIRED,
-)
-from hcqa.devices.nativestores import (
-    HOST_NS as HOST_NS,
-)
-from hcqa.devices.nativestores import (
-    MAX_STORES as MAX_STORES,
-)
-from hcqa.devices.nativestores import (
-    NSTORES as NSTORES,
-)
-from hcqa.devices.nativestores import (
-    STATUS as STATUS,
-)
-from hcqa.devices.nativestores import (
-    STORES as STORES,
-)
-from hcqa.devices.nativestores import (
-    TL2_ARG as TL2_ARG,
-)
-from hcqa.devices.nativestores import (
-    TL2_FN as TL2_FN,
-)
-from hcqa.devices.nativestores import (
-    TL2_SEQ as TL2_SEQ,
-)
-from hcqa.devices.nativestores import (
-    TL_ARG as TL_ARG,
-)
-from hcqa.devices.nativestores import (
-    TL_FN as TL_FN,
-)
-from hcqa.devices.nativestores import (
-    TL_SEQ as TL_SEQ,
-)
-from hcqa.devices.nativestores import (
-    WAKE as WAKE,
-)
-from hcqa.devices.nativestores import (
-    WORDS as WORDS,
+from hcqa.devices.nativestores import (  # the completion slot: re-exported
+    DONE,
+    FD,
+    FIRED,
+    HOST_NS,
+    MAX_STORES,
+    NSTORES,
+    PRE,
+    STATUS,
+    STORES,
+    TL2_ARG,
+    TL2_FN,
+    TL2_SEQ,
+    TL_ARG,
+    TL_FN,
+    TL_SEQ,
+    WAKE,
+    WORDS,
+    SlotTable,
+    Words,
+    keep_forever,
 )
 from hcqa.errors import HcqaError, InvalidCommand, install_hint
 
 __all__ = [
+    "DONE",
+    "FD",
+    "FIRED",
+    "HOST_NS",
+    "MAX_STORES",
+    "NSTORES",
+    "PRE",
+    "STATUS",
+    "STORES",
+    "TL2_ARG",
+    "TL2_FN",
+    "TL2_SEQ",
+    "TL_ARG",
+    "TL_FN",
+    "TL_SEQ",
+    "WAKE",
     "WORDS",
     "CudaError",
     "SlotTable",
+    "Words",
     "bindings",
     "check",
     "context",
     "current",
+    "keep_forever",
     "list_devices",
     "native",
 ]
 
-PRE = 18  # hostfn.c: the slot word (free in the shared layout) pointing at stores done first
 
 _lock = threading.Lock()
 _contexts: dict[int, Any] = {}
 _native: _Native | None = None
-_abandoned: list[Any] = []
-_dead_fd = -1
 _local = threading.local()
 _init_error: str | None = None
 _initialised = False
@@ -329,61 +318,3 @@ def native() -> _Native:
         if _native is None:
             _native = _Native()
         return _native
-
-
-def _dead() -> int:
-    global _dead_fd
-    with _lock:
-        if _dead_fd < 0:
-            _dead_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        return _dead_fd
-
-
-def keep_forever(obj: Any) -> None:
-    """Keep ``obj`` (what a host function may still touch) for the life of the process."""
-    _abandoned.append(obj)
-
-
-Words = ctypes.Array[ctypes.c_uint64]
-_SLOT = ctypes.c_uint64 * WORDS
-
-
-class SlotTable:
-    """Host-function slots of one device (see the module doc). Loop-thread bookkeeping only."""
-
-    PAGE = 256
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._pages: list[ctypes.Array[ctypes.c_uint64]] = []
-        self._free: list[tuple[Words, int]] = []
-        self.in_use = 0
-
-    def take(self) -> tuple[Words, int]:
-        """A clean slot: (its words, its address)."""
-        if not self._free:
-            page = (ctypes.c_uint64 * (WORDS * self.PAGE))()
-            self._pages.append(page)
-            base = ctypes.addressof(page)
-            size = WORDS * 8
-            self._free.extend(
-                (_SLOT.from_buffer(page, i * size), base + i * size) for i in range(self.PAGE)
-            )
-        words, address = self._free.pop()
-        words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
-        words[TL_FN] = words[TL2_FN] = words[PRE] = 0
-        words[WAKE] = 1
-        words[FD] = self.fd
-        self.in_use += 1
-        return words, address
-
-    def give(self, words: Words, address: int) -> None:
-        self._free.append((words, address))
-        self.in_use -= 1
-
-    def abandon(self, words: Words) -> None:
-        """A slot whose host function may run at any time, even after the device is gone."""
-        words[FD] = _dead()
-        words[NSTORES] = words[TL_FN] = words[TL2_FN] = words[PRE] = 0
-        _abandoned.append(self._pages)
-        self.in_use -= 1

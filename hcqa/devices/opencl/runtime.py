@@ -27,65 +27,61 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import os
 import threading
 from pathlib import Path
 from typing import Any, Protocol
 
 from hcqa._native.compiler import compile_c
 from hcqa._native.lane import library
-from hcqa.devices.nativestores import (  # the slot layout callback.c reads
-    DONE as DONE,
-)
-from hcqa.devices.nativestores import (
-    FD as FD,
-)
-from hcqa.devices.nativestores import (
-    FIRED as FIRED,
-)
-from hcqa.devices.nativestores import (
-    HOST_NS as HOST_NS,
-)
-from hcqa.devices.nativestores import (
-    MAX_STORES as MAX_STORES,
-)
-from hcqa.devices.nativestores import (
-    NSTORES as NSTORES,
-)
-from hcqa.devices.nativestores import (
-    STATUS as STATUS,
-)
-from hcqa.devices.nativestores import (
-    STORES as STORES,
-)
-from hcqa.devices.nativestores import (
-    TL2_ARG as TL2_ARG,
-)
-from hcqa.devices.nativestores import (
-    TL2_FN as TL2_FN,
-)
-from hcqa.devices.nativestores import (
-    TL2_SEQ as TL2_SEQ,
-)
-from hcqa.devices.nativestores import (
-    TL_ARG as TL_ARG,
-)
-from hcqa.devices.nativestores import (
-    TL_FN as TL_FN,
-)
-from hcqa.devices.nativestores import (
-    TL_SEQ as TL_SEQ,
-)
-from hcqa.devices.nativestores import (
-    WAKE as WAKE,
-)
-from hcqa.devices.nativestores import (
-    WORDS as WORDS,
+from hcqa.devices.nativestores import (  # the completion slot: re-exported
+    DONE,
+    FD,
+    FIRED,
+    HOST_NS,
+    MAX_STORES,
+    NSTORES,
+    STATUS,
+    STORES,
+    TL2_ARG,
+    TL2_FN,
+    TL2_SEQ,
+    TL_ARG,
+    TL_FN,
+    TL_SEQ,
+    WAKE,
+    WORDS,
+    SlotTable,
+    Words,
+    keep_forever,
 )
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
 
-__all__ = ["WORDS", "ClHost", "SlotTable", "cl", "context_for", "native"]
+__all__ = [
+    "DONE",
+    "FD",
+    "FIRED",
+    "HOST_NS",
+    "MAX_STORES",
+    "NSTORES",
+    "STATUS",
+    "STORES",
+    "TL2_ARG",
+    "TL2_FN",
+    "TL2_SEQ",
+    "TL_ARG",
+    "TL_FN",
+    "TL_SEQ",
+    "WAKE",
+    "WORDS",
+    "ClHost",
+    "SlotTable",
+    "Words",
+    "cl",
+    "context_for",
+    "keep_forever",
+    "native",
+]
 
 CL_COMPLETE = 0
 
@@ -95,8 +91,6 @@ _native: _Native | None = None
 # The executor producing each OpenCL queue signal, while its device is open: a Wait on one
 # of these may be kept by the driver (``ClExecutor.hold``).
 producers: dict[Any, Any] = {}
-_abandoned: list[Any] = []  # slot pages a late callback may still write: kept for good
-_dead_fd = -1  # the eventfd abandoned slots point at (opened once, never closed)
 
 
 class ClHost(Protocol):
@@ -183,62 +177,3 @@ def native() -> _Native:
         if _native is None:
             _native = _Native()
         return _native
-
-
-def _dead() -> int:
-    global _dead_fd
-    with _lock:
-        if _dead_fd < 0:
-            _dead_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        return _dead_fd
-
-
-def keep_forever(obj: Any) -> None:
-    """Keep ``obj`` (a segment the driver may still complete) for the life of the process."""
-    _abandoned.append(obj)
-
-
-Words = ctypes.Array[ctypes.c_uint64]  # one slot's words (ctypes: cheap item access)
-_SLOT = ctypes.c_uint64 * WORDS
-
-
-class SlotTable:
-    """Callback slots of one device (see the module doc). Trio-thread bookkeeping only."""
-
-    PAGE = 256
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._pages: list[ctypes.Array[ctypes.c_uint64]] = []
-        self._free: list[tuple[Words, int]] = []
-        self.in_use = 0
-
-    def take(self) -> tuple[Words, int]:
-        """A clean slot: (its words, its address)."""
-        if not self._free:
-            page = (ctypes.c_uint64 * (WORDS * self.PAGE))()
-            self._pages.append(page)
-            base = ctypes.addressof(page)
-            size = WORDS * 8
-            self._free.extend(
-                (_SLOT.from_buffer(page, i * size), base + i * size) for i in range(self.PAGE)
-            )
-        words, address = self._free.pop()
-        words[FIRED] = words[DONE] = words[NSTORES] = words[STATUS] = words[HOST_NS] = 0
-        words[TL_FN] = words[TL2_FN] = 0
-        words[WAKE] = 1
-        words[FD] = self.fd
-        self.in_use += 1
-        return words, address
-
-    def give(self, words: Words, address: int) -> None:
-        """Return a slot whose ``done`` word is set."""
-        self._free.append((words, address))
-        self.in_use -= 1
-
-    def abandon(self, words: Words) -> None:
-        """A slot whose callback may come at any time, even after the device is gone."""
-        words[FD] = _dead()
-        words[NSTORES] = words[TL_FN] = words[TL2_FN] = 0
-        _abandoned.append(self._pages)  # the pages stay mapped for the process's life
-        self.in_use -= 1
