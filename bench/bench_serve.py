@@ -258,7 +258,25 @@ async def closed_loop(
     rng = np.random.default_rng(clients)
     xs = rng.standard_normal((64, WIDTH)).astype(np.float32)
     bodies = [x.astype("<f4").tobytes() for x in xs]
-    want = reference(xs)
+    latencies, errors = await run_clients(
+        port, path, bodies, reference(xs), clients=clients, seconds=seconds, warmup=warmup
+    )
+    return latencies, errors, seconds
+
+
+async def run_clients(
+    port: int,
+    path: str,
+    bodies: list[bytes],
+    want: np.ndarray,
+    *,
+    clients: int,
+    seconds: float,
+    warmup: float,
+) -> tuple[list[float], int]:
+    """``clients`` closed-loop clients posting ``bodies`` in turn to ``path`` for ``warmup``
+    + ``seconds``, each answer checked against ``want`` (float32 rows); returns the latencies
+    of the measured window and the errors (a wrong answer counts as one)."""
     latencies: list[float] = []
     errors = 0
     start = time.perf_counter() + warmup
@@ -269,11 +287,8 @@ async def closed_loop(
         c = RawClient(port)
         try:
             i = k
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= stop:
-                    return
-                j = i % len(xs)
+            while (t0 := time.perf_counter()) < stop:
+                j = i % len(bodies)
                 status, body = await c.post(path, bodies[j])
                 t1 = time.perf_counter()
                 ok = status == 200 and np.allclose(
@@ -291,7 +306,7 @@ async def closed_loop(
     async with trio.open_nursery() as nursery:
         for k in range(clients):
             nursery.start_soon(client, k)
-    return latencies, errors, seconds
+    return latencies, errors
 
 
 async def measure(server: Server, path: str, seconds: float, warmup: float) -> list[dict[str, Any]]:

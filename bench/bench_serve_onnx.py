@@ -38,7 +38,7 @@ import numpy as np
 import trio
 
 from bench._util import markdown_table, percentile, print_footer
-from bench.bench_serve import ROOT, RawClient, Server
+from bench.bench_serve import ROOT, Server, run_clients
 
 WIDTH, HIDDEN, MAX_BATCH, CLIENTS = 256, 512, 32, 64
 
@@ -87,36 +87,10 @@ def reference(path: Path, xs: np.ndarray) -> np.ndarray:
 async def closed_loop(
     port: int, bodies: list[bytes], want: np.ndarray, seconds: float, warmup: float
 ) -> tuple[list[float], int]:
-    latencies: list[float] = []
-    errors = 0
-    start = time.perf_counter() + warmup
-    stop = start + seconds
-
-    async def client(k: int) -> None:
-        nonlocal errors
-        c = RawClient(port)
-        try:
-            i = k
-            while (t0 := time.perf_counter()) < stop:
-                j = i % len(bodies)
-                status, body = await c.post("/infer", bodies[j])
-                t1 = time.perf_counter()
-                ok = status == 200 and np.allclose(
-                    np.frombuffer(body, "<f4"), want[j], rtol=1e-4, atol=1e-5
-                )
-                if t0 >= start:
-                    if ok:
-                        latencies.append(t1 - t0)
-                    else:
-                        errors += 1
-                i += 1
-        finally:
-            await c.aclose()
-
-    async with trio.open_nursery() as nursery:
-        for k in range(CLIENTS):
-            nursery.start_soon(client, k)
-    return latencies, errors
+    """``CLIENTS`` closed-loop clients on ``POST /infer`` (both servers take raw rows there)."""
+    return await run_clients(
+        port, "/infer", bodies, want, clients=CLIENTS, seconds=seconds, warmup=warmup
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
