@@ -73,6 +73,7 @@ from hcqa.errors import (
     DeviceClosed,
     InvalidCommand,
     QueueFull,
+    work_owner,
 )
 from hcqa.signals import Fence, Signal
 
@@ -144,6 +145,7 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         )
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._owners = {}
         self._closed = False
         self._closing = False
         self._hung = False
@@ -445,6 +447,9 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         value = actor.value = actor.value + 1
         batch.append(_signal_command(actor.signal, value, None))
         seq = self._steps(batch, also)
+        owner = work_owner.get()
+        if owner is not None:
+            self._own(actor, value, value, owner, batch)
         if inline:
             actor.run_inline(batch)
         else:
