@@ -356,8 +356,8 @@ class ClExecutor(DriverCopies, Completion):
         a transfer's step on the other device) -- enqueued with the least Python after the
         driver call; False (nothing done) for any other run, which ``_enqueue_run`` takes.
         With fast wake-ups the driver's worker runs the command inside the driver call and the
-        loop's thread resumes with cold caches: the segment's slot is filled and the previous
-        completions tidied first, so only the callback's registration and a flush follow it."""
+        loop's thread resumes with cold caches: the segment's slot is filled first, so only the
+        segment, the callback's registration, a flush and the tidy follow it."""
         c = run[0]
         kind = type(c)
         n = len(run)
@@ -380,7 +380,6 @@ class ClExecutor(DriverCopies, Completion):
         last = run[3] if n == 4 else None
         if last is not None and (type(last) is not _STEP or last.timeline.c_address is None):
             return False
-        self.device._tidy(self)  # before the driver call: the caches are warm here
         words, address = self.device._slots.take()
         own = sig.signal
         words[STORES] = own.address
@@ -429,6 +428,7 @@ class ClExecutor(DriverCopies, Completion):
         if status != 0:
             raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
         self.queue.flush()
+        self.device._tidy(self)
         return True
 
     def _record(self, c: Any) -> Any:
