@@ -60,7 +60,6 @@ from hcqa.trace import region
 
 if TYPE_CHECKING:
     from hcqa.cli._console import Bar
-    from hcqa.models import Model
 
 __all__ = ["ATOL", "FULL", "MODELS", "QUICK", "RTOL", "ModelSpec", "check", "run_model"]
 
@@ -79,7 +78,7 @@ class ModelSpec:
     seed: int = 0
 
 
-FULL = ModelSpec("squeezenet", batches=32, rows=4, side=64)
+FULL = ModelSpec("squeezenet", batches=64, rows=4, side=64)
 QUICK = ModelSpec("squeezenet", batches=6, rows=1, side=40)
 
 
@@ -141,55 +140,6 @@ def check(got: Sequence[F32], want: Sequence[F32]) -> tuple[float, bool]:
     return worst, ok
 
 
-class _Whole:
-    """The whole model on one device, awaited like a pipeline (``depth`` in flight)."""
-
-    def __init__(self, model: Model, depth: int) -> None:
-        self.model, self.depth = model, depth
-
-    async def __call__(self, x: F32) -> F32:
-        out: F32 = await self.model(x)
-        return out
-
-
-class _Halves:
-    """Interim, until ``models.pipeline`` lands: the ONNX graph cut in two at one tensor, each
-    half a Model on its own device; with ``depth`` in flight the halves overlap."""
-
-    def __init__(self, first: Model, second: Model, depth: int) -> None:
-        self.first, self.second, self.depth = first, second, depth
-
-    async def __call__(self, x: F32) -> F32:
-        out: F32 = await self.second(await self.first(x))
-        return out
-
-
-def _cut(path: Path) -> tuple[Path, Path, str]:
-    """The file cut in two at the single tensor nearest the middle of its nodes."""
-    import onnx
-    from onnx.utils import extract_model
-
-    model = onnx.load(str(path))
-    graph = model.graph
-    inits = {i.name for i in graph.initializer}
-    nodes = list(graph.node)
-    best: tuple[int, str] | None = None
-    for k in range(1, len(nodes)):
-        made = {o for n in nodes[:k] for o in n.output}
-        crossing = {i for n in nodes[k:] for i in n.input if i in made and i not in inits}
-        if len(crossing) == 1:
-            score = abs(2 * k - len(nodes))
-            if best is None or score < best[0]:
-                best = (score, crossing.pop())
-    assert best is not None, "SqueezeNet is a chain of modules"
-    tensor = best[1]
-    first, second = path.with_suffix(".a.onnx"), path.with_suffix(".b.onnx")
-    ins, outs = [graph.input[0].name], [graph.output[0].name]
-    extract_model(str(path), str(first), ins, [tensor])
-    extract_model(str(path), str(second), [tensor], outs)
-    return first, second, tensor
-
-
 async def _body(
     spec: ModelSpec,
     path: Path,
@@ -207,23 +157,28 @@ async def _body(
         with region("set-up: model built and cut"):
             bar.describe(f"building {spec.model} on {d0.name} (tinygrad's kernels)")
             t0 = time.perf_counter()
-            whole = await models.load_onnx(path, device=d0, name=spec.model)
-            st = whole.statistics()
+            model = await models.load_onnx(path, device=d0, name=spec.model)
+            st = model.statistics()
             notes.append(
                 f"  model: built on {d0.name} in {time.perf_counter() - t0:.1f} s: "
                 f"{st.kernels} kernels ({st.programs} programs) in one Graph"
             )
             bar.describe(f"cutting {spec.model} over {d0.name} and {d1.name}")
             t0 = time.perf_counter()
-            a, b, tensor = await trio.to_thread.run_sync(_cut, path)
-            first = await models.load_onnx(a, device=d0, name=f"{spec.model}[a]")
-            second = await models.load_onnx(b, device=d1, name=f"{spec.model}[b]")
-            ka, kb = first.statistics().kernels, second.statistics().kernels
-            notes.append(
-                f"  pipeline: cut at tensor {tensor!r} in {time.perf_counter() - t0:.1f} s: "
-                f"{d0.name} runs {ka} kernels, {d1.name} {kb}; {depth} microbatches in flight"
+            pipe = models.pipeline(model, devices=[d0, d1], depth=depth)
+            seq = models.pipeline(model, devices=[d0], depth=depth)
+            await pipe.build()
+            await seq.build()
+            cuts = ", ".join(
+                f"{s.device.name} kernels {s.start + 1}-{s.stop} (cost {s.cost:.3g}, "
+                f"{s.moved_bytes} bytes moved in)"
+                for s in pipe.stages
             )
-        pipe, seq = _Halves(first, second, depth), _Whole(whole, depth)
+            notes.append(
+                f"  pipeline: models.pipeline built in {time.perf_counter() - t0:.1f} s: {cuts}; "
+                f"{depth} microbatches in flight; the 1-device side is models.pipeline "
+                f"over {d0.name} alone"
+            )
         runs = await _timed(pipe, seq, xs, bar, warm, warm_seconds, ("pipeline", "1 device"))
         names = (d0.name, d1.name)
     return Timed.of(
@@ -293,7 +248,7 @@ def run_model(args: argparse.Namespace) -> int:
         out,
         timed,
         spec.batches,
-        blas_limited=True,  # tinygrad's kernels: no BLAS
+        blas_limited=None,  # tinygrad's own kernels: no BLAS
         load=load_before,
         shared_device="opencl:0" if opencl else None,
     )

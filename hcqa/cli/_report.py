@@ -108,17 +108,27 @@ def verdict(
 
 
 def depends(
-    *, cores: int, blas_limited: bool, load: float | None, shared_device: str | None = None
+    *,
+    cores: int,
+    blas_limited: bool | None,
+    load: float | None,
+    shared_device: str | None = None,
 ) -> str:
     """What the speedup depends on, with this run's values: free cores, BLAS threads, load.
 
-    ``shared_device``: the one OpenCL device both stages ran on, where BLAS has no part."""
+    ``shared_device``: the one OpenCL device both stages ran on, where BLAS has no part;
+    ``blas_limited=None``: the stages call no BLAS (a model's own kernels)."""
     busy = f"1-minute load average {load:.1f} at the start" if load is not None else "unknown"
     if shared_device is not None:
         return (
             f"the figure depends on {shared_device}'s compute units, which both stages share, "
             f"and the host's other load ({busy}); on a busy or shared host it varies from "
             "run to run"
+        )
+    if blas_limited is None:
+        return (
+            f"the figure depends on free cores (the two stages need two: {cores} here) and the "
+            f"host's other load ({busy}); on a busy or shared host it varies from run to run"
         )
     blas = "1 per device" if blas_limited else "not limited"
     return (
@@ -214,7 +224,7 @@ def report_times(
     timed: Timed,
     batches: int,
     *,
-    blas_limited: bool,
+    blas_limited: bool | None,
     load: float | None,
     processes: bool = False,
     shared_device: str | None = None,
@@ -237,7 +247,7 @@ def report_times(
         t_seq=timed.t_seq,
         cores=n,
         load=load,
-        blas_limited=blas_limited,
+        blas_limited=blas_limited is not False,  # no BLAS: never the reason for a loss
         processes=processes,
         shared_device=shared_device,
     )

@@ -1,4 +1,4 @@
-"""``hcqa demo``: an MLP split over two cpu devices as a two-stage Pipeline.
+"""``hcqa demo``: an MLP split over two cpu devices as a two-stage Pipeline (or a real model).
 
 Theory of operation
 -------------------
@@ -46,6 +46,11 @@ The trace goes to a file beside PATH and is renamed onto it once the run has fin
 run that fails keeps the previous trace; ``--device opencl`` checks for PyOpenCL and a device
 before it writes anything.
 :mod:`bench.bench_pipeline` reuses the building blocks here for its timed comparison.
+
+``--model squeezenet`` runs a real model instead (:mod:`hcqa.cli._model_demo`): the onnx wheel's
+SqueezeNet with seeded weights, cut over the two devices by ``models.pipeline`` and checked
+against onnxruntime. The verdict, the host facts and the kept trace are :mod:`hcqa.cli._report`'s,
+shared by both.
 """
 
 from __future__ import annotations
