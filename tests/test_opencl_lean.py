@@ -77,9 +77,13 @@ async def test_repeat_calls_share_the_launch_record_and_never_use_stale_memory()
         whole = g.alloc(shape=(2 * align,), dtype="int32")
         await whole.copyin(np.zeros(2 * align, np.int32))
         views = [whole.view(i * align * 4, 4 * 4, dtype="int32") for i in range(2)]
-        for v in (views[0], views[0], views[1], views[1], views[0]):
-            await k(v, global_size=(4, 1, 1))
+        for v in (views[0], views[0], views[0], views[1], views[1], views[1]):
+            await k(v, global_size=(4, 1, 1))  # the third call of each takes the shared record
+        # a queue's launch on the other view sets the kernel's arguments between two repeat
+        # calls: the next repeat sets its own again
+        await g.compute_queue().exec(k, (views[0],), global_size=(4, 1, 1)).submit()
+        await k(views[1], global_size=(4, 1, 1))
         full = np.zeros(2 * align, np.int32)
         await whole.copyout(full)
-        assert list(full[:4]) == [3] * 4 and list(full[align : align + 4]) == [2] * 4
-        assert full.sum() == 20
+        assert list(full[:4]) == [4] * 4 and list(full[align : align + 4]) == [4] * 4
+        assert full.sum() == 32
