@@ -54,3 +54,48 @@ async def test_leaving_one_block_by_an_exception_leaves_the_other_usable() -> No
             await data.copyout(got)
             assert got.tolist() == [7.0] * 4
             assert outer.faulted is None
+
+
+async def test_work_that_needed_the_abandoned_writes_fails_alone() -> None:
+    """The outer device's transfer reads a buffer the inner device's abandoned kernels were
+    to write (the last ones past the driver's window: never run). That transfer fails alone
+    -- its fence raises a DeviceClosed naming the work and the inner queue -- as does the
+    outer kernel that waited for exactly it; the outer device is not faulted and its other
+    work runs."""
+    if (why := opencl_missing()) is not None:
+        pytest.skip(why)
+    with trio.fail_after(60):
+        async with hcqa.open_device("opencl:0") as outer:
+            data = outer.alloc(shape=(4,), dtype="float32")
+            other = outer.alloc(shape=(4,), dtype="float32")
+            await data.copyin(np.zeros(4, np.float32))
+            double = outer.program(
+                "double",
+                "__kernel void double_(__global float *o) { o[get_global_id(0)] *= 2.0f; }",
+                entry="double_",
+            )
+            with pytest.raises(KeyError):
+                async with hcqa.open_device("opencl:0") as d:
+                    src = d.alloc(shape=(4,), dtype="float32")
+                    slow = d.program("slow", SLOW)
+                    for _ in range(10):  # more than the driver's window: the last never run
+                        slow(src, vals=(2_000_000,))
+                    pulled = hcqa.transfer(data, src)  # outer's copy queue, after those writes
+                    doubled = double(data, global_size=4)  # outer's compute, after the transfer
+                    raise KeyError("leave")
+            with pytest.raises(DeviceClosed, match="a copy not run") as caught:
+                await pulled
+            assert "copy queue" in str(caught.value) or "compute queue" in str(caught.value)
+            with pytest.raises(DeviceClosed, match="kernel 'double' not run"):
+                await doubled
+            assert outer.faulted is None
+            await other.copyin(np.full(4, 3, np.float32))  # independent work: runs
+            await double(other, global_size=4)
+            got = np.zeros(4, np.float32)
+            await other.copyout(got)
+            assert got.tolist() == [6.0] * 4
+            await data.copyin(np.full(4, 5, np.float32))  # the buffer is usable again
+            await double(data, global_size=4)
+            await data.copyout(got)
+            assert got.tolist() == [10.0] * 4
+            assert outer.faulted is None
