@@ -88,6 +88,12 @@ async def test_a_pipelined_mlp_answers_as_the_model_does_bit_for_bit(kind: str) 
         m = await models.from_tinygrad(forward, [x], device=d0)
         pipe = models.pipeline(m, devices=[d0, d1], depth=3)
         assert [s.device for s in pipe.stages] == [d0, d1]
+        await pipe.build()
+        own = m._largest.buffers  # the model's own allocations, by base
+        for i, stage in enumerate(pipe._plan.stages):  # d0 reads the model's weights; d1 a copy
+            uses = pipe.graphs[0][i]._plan.allocations
+            assert stage.weights
+            assert all((id(own[b]._hazards) in uses) == (i == 0) for b in stage.weights)
         xs = _xs(9)
         ys = await pipe.map(xs)
         assert await pipe(xs[0]) is not ys[0]

@@ -8,7 +8,8 @@ model's kind and distinct, ``depth`` >= 1, no more devices than kernels) and pla
 the byte ranges a later stage reads); nothing is allocated or queued yet. The first call, or
 ``await pipe.build()``, builds it off the event loop: each stage's programs on its device
 (the model's own sources and flags: the same answers, bit for bit), the weights each stage
-reads copied once to its device, a model's state kept on its one stage.
+reads copied once to its device (on the model's own device, the model's weights are used),
+a model's state kept on its one stage.
 
 Like :class:`hcqa.Pipeline`, it owns ``depth`` *slots*. A slot is a set of per-call buffers
 (each stage's copy of the model's bases it touches), host staging arrays for the inputs and
@@ -215,11 +216,15 @@ class ModelPipeline:
                 for d, s in zip(self.devices, stages, strict=True)
             ]
             shared: list[dict[int, Buffer]] = []  # per stage: weights and state
+            own = self.model._buckets[self._rows].buffers  # by base, on the model's device
             for i, (d, s) in enumerate(zip(self.devices, stages, strict=True)):
                 mine = [b for b, where in self._plan.state.items() if where == i]
                 held = {}
                 for b in (*s.weights, *mine):
                     base = lifted.bases[b]
+                    if d is self.model.device and b not in mine:  # the model's own weights
+                        held[b] = own[b]
+                        continue
                     held[b] = d.alloc(base.nbytes)
                     if base.data is not None:
                         held[b].copyin(np.frombuffer(base.data, np.uint8))
