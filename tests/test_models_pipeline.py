@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _kinds import specs
 
 import hcqa
 
@@ -80,12 +81,19 @@ def _moved(moves: tuple[cut.Move, ...]) -> set[tuple[int, int, int]]:
     return {(m.base, b, m.dst) for m in moves for b in range(m.offset, m.offset + m.nbytes)}
 
 
-async def test_a_pipelined_mlp_answers_as_the_model_does_bit_for_bit() -> None:
-    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+async def test_a_pipelined_mlp_answers_as_the_model_does_bit_for_bit(kind: str) -> None:
+    """On cpu:0/cpu:1, and on two hcqa devices of the one OpenCL device (PoCL)."""
+    async with hcqa.open_devices(*specs(kind, 2)) as (d0, d1):
         forward, x = _mlp(models.tinygrad_device(d0))
         m = await models.from_tinygrad(forward, [x], device=d0)
         pipe = models.pipeline(m, devices=[d0, d1], depth=3)
         assert [s.device for s in pipe.stages] == [d0, d1]
+        await pipe.build()
+        own = m._largest.buffers  # the model's own allocations, by base
+        for i, stage in enumerate(pipe._plan.stages):  # d0 reads the model's weights; d1 a copy
+            uses = pipe.graphs[0][i]._plan.allocations
+            assert stage.weights
+            assert all((id(own[b]._hazards) in uses) == (i == 0) for b in stage.weights)
         xs = _xs(9)
         ys = await pipe.map(xs)
         assert await pipe(xs[0]) is not ys[0]
@@ -94,6 +102,10 @@ async def test_a_pipelined_mlp_answers_as_the_model_does_bit_for_bit() -> None:
             np.testing.assert_array_equal(y, await m(a))
         st = pipe.statistics()
         assert (st.completed, st.in_flight, st.cancelled, st.depth) == (10, 0, 0, 3)
+        assert len(pipe.graphs) == 3  # per slot, a captured graph per stage on its device
+        for slot in pipe.graphs:
+            assert [g.statistics().devices for g in slot] == [1, 1]
+            assert {p.actor.device for g in slot for p in g._plan.parts} == {d0, d1}
 
 
 async def test_the_cut_balances_the_front_ends_costs_not_kernel_counts() -> None:

@@ -8,13 +8,15 @@ model's kind and distinct, ``depth`` >= 1, no more devices than kernels) and pla
 the byte ranges a later stage reads); nothing is allocated or queued yet. The first call, or
 ``await pipe.build()``, builds it off the event loop: each stage's programs on its device
 (the model's own sources and flags: the same answers, bit for bit), the weights each stage
-reads copied once to its device, a model's state kept on its one stage.
+reads copied once to its device (on the model's own device, the model's weights are used),
+a model's state kept on its one stage.
 
 Like :class:`hcqa.Pipeline`, it owns ``depth`` *slots*. A slot is a set of per-call buffers
 (each stage's copy of the model's bases it touches), host staging arrays for the inputs and
-outputs, and one captured :class:`~hcqa.Graph` recorded stage by stage: the inputs each stage
-reads copied in from the host, the moves into the stage (``hcqa.transfer`` of a view, on the
-copy engines), the stage's kernels on its device, then the outputs copied out. Slots share no
+outputs, and one captured :class:`~hcqa.Graph` per stage, on its device: the inputs the stage
+reads copied in from the host, the moves into it (``hcqa.transfer`` of a view, on the copy
+engines), its kernels, the outputs it holds copied out. The slot's own graph records the
+stages' graphs in order (``g.submit()`` inside a capture), so a call is one replay. Slots share no
 per-call buffer, so slot ``k + 1``'s first stage runs while slot ``k``'s second does.
 
 ``await pipe(x)`` takes a free slot (a ``trio.Semaphore`` of ``depth``: backpressure), writes
@@ -79,6 +81,7 @@ class ModelPipelineStatistics:
 @attrs.define(eq=False)
 class _Slot:
     graph: Graph
+    stages: tuple[Graph, ...]
     host_in: tuple[np.ndarray, ...]
     host_out: tuple[np.ndarray, ...]
     need: dict[Any, int]
@@ -185,6 +188,13 @@ class ModelPipeline:
         return f"<ModelPipeline {self.model.name} {cuts} depth={self.depth}>"
 
     @property
+    def graphs(self) -> tuple[tuple[Graph, ...], ...]:
+        """Per slot, each stage's captured Graph (its device's work: copy-ins, the moves into
+        it, its kernels, copy-outs); a call replays one slot's graph, which records them all.
+        Empty until built."""
+        return tuple(slot.stages for slot in self._slots)
+
+    @property
     def moves(self) -> tuple[cut.Move, ...]:
         """Every byte range a call moves between stages' devices."""
         return self._plan.moves
@@ -206,11 +216,15 @@ class ModelPipeline:
                 for d, s in zip(self.devices, stages, strict=True)
             ]
             shared: list[dict[int, Buffer]] = []  # per stage: weights and state
+            own = self.model._buckets[self._rows].buffers  # by base, on the model's device
             for i, (d, s) in enumerate(zip(self.devices, stages, strict=True)):
                 mine = [b for b, where in self._plan.state.items() if where == i]
                 held = {}
                 for b in (*s.weights, *mine):
                     base = lifted.bases[b]
+                    if d is self.model.device and b not in mine:  # the model's own weights
+                        held[b] = own[b]
+                        continue
                     held[b] = d.alloc(base.nbytes)
                     if base.data is not None:
                         held[b].copyin(np.frombuffer(base.data, np.uint8))
@@ -239,8 +253,10 @@ class ModelPipeline:
 
         host_in = tuple(np.zeros(a.nbytes // a.dtype.itemsize, a.dtype) for _, a in lifted.inputs)
         host_out = tuple(np.zeros(a.nbytes // a.dtype.itemsize, a.dtype) for _, a in lifted.outputs)
-        with capture() as graph:
-            for i, s in enumerate(self._plan.stages):
+        stage_graphs: list[Graph] = []
+        last = len(self._plan.stages) - 1
+        for i, s in enumerate(self._plan.stages):
+            with capture() as g:  # this stage's work, on its device's queues
                 for slot in s.inputs:
                     view(i, lifted.inputs[slot][1]).copyin(host_in[slot])
                 for m in s.moves:
@@ -248,16 +264,21 @@ class ModelPipeline:
                 for k in lifted.kernels[s.start : s.stop]:
                     args = [view(i, a) for a in k.args]
                     launch(k, programs[i][program_key(k)], args, {})
-            for m in self._plan.final:
-                move(m)
-            for (_, arg), host, where in zip(
-                lifted.outputs, host_out, self._plan.outputs, strict=True
-            ):
-                view(where, arg).copyout(host)
+                for m in self._plan.final if i == last else ():
+                    move(m)
+                for (_, arg), host, where in zip(
+                    lifted.outputs, host_out, self._plan.outputs, strict=True
+                ):
+                    if where == i:
+                        view(i, arg).copyout(host)
+            stage_graphs.append(g)
+        with capture() as graph:  # the stages, recorded in order: one replay per call
+            for g in stage_graphs:
+                g.submit()
         need: dict[Any, int] = {}
         for part in graph._plan.parts:
             need[part.actor] = need.get(part.actor, 0) + 1
-        return _Slot(graph=graph, host_in=host_in, host_out=host_out, need=need)
+        return _Slot(graph, tuple(stage_graphs), host_in, host_out, need)
 
     # -- running ---------------------------------------------------------------------
 
