@@ -227,6 +227,9 @@ async def test_an_onnx_model_on_tinygrads_kernels_pipelines_and_onnxruntimes_is_
             got = await pipe(a)
             assert got.shape == (rows, 6)
             np.testing.assert_array_equal(got, await m(a))
+        alone = models.pipeline(m, devices=[d1])  # one stage, on another device
+        assert alone.moves == () and alone.stages[0].start == 0 and len(alone.stages) == 1
+        np.testing.assert_array_equal(await alone(a), await m(a))
         small = models.pipeline(m, devices=[d0, d1], batch_size=2)
         a = _xs(1, (2, 16))[0]
         np.testing.assert_array_equal(await small(a), await m(a))
