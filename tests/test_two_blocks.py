@@ -128,6 +128,7 @@ async def test_reads_of_what_the_failed_work_was_to_write_fail_too() -> None:
                     pulled = hcqa.transfer(data, src)
                     read = data.copyout(got)  # same copy queue, right behind: no wait
                     raise KeyError("leave")
+            await outer.synchronize()  # done; the failures are the batches', not the device's
             with pytest.raises(DeviceClosed, match="a copy not run"):
                 await pulled
             with pytest.raises(DeviceClosed, match="needed the writes of failed work"):

@@ -374,14 +374,20 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         return 0
 
     async def synchronize(self) -> None:
-        """Wait until everything enqueued so far is done; raise the device's error if any."""
+        """Wait until everything enqueued so far is done; raise the device's error if any
+        (not a batch's that failed alone: its own fence raises that)."""
         if self._closed:
             await aio.checkpoint()
             raise DeviceClosed(f"{self.name} is closed")
         if self._error is not None:
             await aio.checkpoint()
             self._raise_error()
-        await self._timeline.fence(self._timeline.reserved).wait()
+        fence = self._timeline.fence(self._timeline.reserved)
+        try:
+            await fence.wait()
+        except DeviceClosed as exc:  # the last batch failed alone: done, not the device's
+            if fence.signal._failed.get(fence.value) is not exc:
+                raise
         if self._error is not None:
             self._raise_error()
 
