@@ -30,7 +30,8 @@ def test_the_model_demo_matches_onnxruntime_and_writes_its_trace(
         r"check: all 4 answers of each side vs onnxruntime, max abs error (\S+) ", out
     )
     assert check is not None, out
-    assert float(check.group(1)) <= _model_demo.ATOL and out.count(": ok") == 1
+    assert float(check.group(1)) <= _model_demo.TOLERANCE["squeezenet"][1]
+    assert out.count(": ok") == 1
     assert "pipeline, 2 devices (cpu:0, cpu:1)" in out and "speedup:" in out
     assert re.search(r"cpu:0 kernels 1-\d+ .*, cpu:1 kernels \d+-\d+ ", out), out
     assert "BLAS" not in out  # tinygrad's own kernels: the figure names no BLAS
@@ -47,20 +48,36 @@ def test_the_model_demo_matches_onnxruntime_and_writes_its_trace(
 
 
 def test_check_refuses_an_answer_off_by_more_than_the_tolerance() -> None:
+    rtol, atol = 1e-4, 1e-6
     want = [np.full((2, 5), 1e-3, np.float32), np.full((2, 5), 0.5, np.float32)]
-    near = [w + np.float32(_model_demo.ATOL / 2) for w in want]
-    assert _model_demo.check(near, want) == (pytest.approx(_model_demo.ATOL / 2, rel=1e-3), True)
+    near = [w + np.float32(atol / 2) for w in want]
+    assert _model_demo.check(near, want, rtol, atol) == (pytest.approx(atol / 2, rel=1e-3), True)
     far = [w.copy() for w in want]
-    far[1][1, 3] += 0.5 * _model_demo.RTOL + 3 * _model_demo.ATOL  # past atol + rtol * 0.5
-    worst, ok = _model_demo.check(far, want)
-    assert not ok and worst > _model_demo.ATOL
-    assert not _model_demo.check([want[0][:1], want[1]], want)[1]  # a wrong shape
+    far[1][1, 3] += 0.5 * rtol + 3 * atol  # past atol + rtol * 0.5
+    worst, ok = _model_demo.check(far, want, rtol, atol)
+    assert not ok and worst > atol
+    assert not _model_demo.check([want[0][:1], want[1]], want, rtol, atol)[1]  # a wrong shape
+
+
+def test_the_gpt_stack_is_cut_over_two_devices_and_matches_onnxruntime(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["demo", "--model", "gpt", "--quick", "--no-progress", "--batches", "3", "--no-trace"]
+    assert cli_main([*argv, "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "a GPT-like decoder stack" in out and "3 microbatches of 1x16x128 float32" in out
+    check = re.search(r"vs onnxruntime, max abs error (\S+) \(tolerance 1e-05 \+ 0.0001 x", out)
+    assert check is not None and float(check.group(1)) <= 1e-5, out
+    assert re.search(r"cpu:0 kernels 1-\d+ .*, cpu:1 kernels \d+-\d+ ", out), out
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--model", "resnet"], "argument --model: invalid choice: 'resnet' (choose from "),
+        (
+            ["--model", "resnet"],
+            "--model: invalid choice: 'resnet' (choose from 'squeezenet', 'gpt')",
+        ),
         (["--model", "squeezenet", "--hidden", "64"], "--hidden is the MLP demo's: not with"),
         (["--model", "squeezenet", "--batches", "0"], "--batches must be >= 1 (got 0)"),
     ],

@@ -13,6 +13,8 @@ What stays a fault: work of the outer device that would read what the abandoned 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
@@ -99,3 +101,42 @@ async def test_work_that_needed_the_abandoned_writes_fails_alone() -> None:
             await data.copyout(got)
             assert got.tolist() == [10.0] * 4
             assert outer.faulted is None
+
+
+async def test_reads_of_what_the_failed_work_was_to_write_fail_too() -> None:
+    """After a transfer that needed the abandoned writes fails, what reads its destination
+    fails as well -- a copyout queued right behind it on the same queue (no wait between
+    them), and a copyout asked for afterwards (refused at the call) -- until the buffer is
+    written again. cpu devices: the same mechanism as OpenCL's host waits."""
+
+    def slow(out: np.ndarray, n: int) -> None:
+        time.sleep(0.02 * n)
+        out += 1
+
+    with trio.fail_after(30):
+        async with hcqa.open_device("cpu:0") as outer:
+            data = outer.alloc(shape=(4,), dtype="float32")
+            await data.copyin(np.zeros(4, np.float32))
+            double = outer.program("double", lambda o: np.multiply(o, 2, out=o))
+            got = np.full(4, -1, np.float32)
+            with pytest.raises(KeyError):
+                async with hcqa.open_device("cpu:1") as d:
+                    src = d.alloc(shape=(4,), dtype="float32")
+                    spin = d.program("slow", slow)
+                    for _ in range(5):
+                        spin(src, vals=(1,))
+                    pulled = hcqa.transfer(data, src)
+                    read = data.copyout(got)  # same copy queue, right behind: no wait
+                    raise KeyError("leave")
+            with pytest.raises(DeviceClosed, match="a copy not run"):
+                await pulled
+            with pytest.raises(DeviceClosed, match="needed the writes of failed work"):
+                await read
+            assert got.tolist() == [-1.0] * 4  # nothing was copied out
+            with pytest.raises(DeviceClosed, match="holds no valid data"):
+                data.copyout(got)  # refused at the call: nothing queued
+            assert outer.faulted is None
+            await data.copyin(np.full(4, 5, np.float32))  # written again: valid
+            await double(data)
+            await data.copyout(got)
+            assert got.tolist() == [10.0] * 4

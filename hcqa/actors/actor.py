@@ -61,6 +61,26 @@ __all__ = ["Batch", "QueueActor", "QueueOwner", "QueueStatistics"]
 
 _WORK = (cmd.Exec, cmd.Copy, cmd.Load)  # what a failed batch does not run (see _fail)
 
+# Allocations (their hazard records, ``Buffer._hazards``) whose contents a failed batch was
+# to write: a later batch that reads one fails the same way (``Device._submit`` checks at
+# submit, the actor the batches already queued behind the failed one); a write clears it.
+LOST: dict[Any, BaseException] = {}
+
+
+def _uses(c: Any) -> tuple[list[Any], list[Any]]:
+    """The allocations (hazard records) a work command reads and writes."""
+    kind = type(c)
+    if kind is cmd.Exec:
+        writes, reads = c.program.access(len(c.buffers))
+        bufs = c.buffers
+        return [bufs[i]._hazards for i in reads], [bufs[i]._hazards for i in writes]
+    if kind is cmd.Copy:
+        src, dest = getattr(c.src, "_hazards", None), getattr(c.dest, "_hazards", None)
+        return ([src] if src is not None else []), ([dest] if dest is not None else [])
+    if kind is cmd.Load:
+        return [], [c.dest._hazards]
+    return [], []
+
 
 def _describe(c: Any) -> str:
     if type(c) is cmd.Exec:
@@ -128,6 +148,7 @@ class QueueActor:
         self._closed = False
         self._leftover: list[Any] = []  # commands cut off by cancellation
         self.failed = 0  # batches failed alone (see _fail)
+        self._suspect = 0  # batches in the channel when one failed (see _reads_lost)
         self.direct = 0  # batches that went straight to the engine (or ran inline)
         # Waits the driver may keep (see the module doc): asked before awaiting on the host
         self._hold = device._driver_wait if device.driver_waits else None
@@ -290,6 +311,10 @@ class QueueActor:
     async def _batch(self, batch: Batch) -> None:
         run: list[Any] = []
         commands = batch.commands
+        if self._suspect:  # queued before a batch of this queue failed: reads what it lost?
+            self._suspect -= 1
+            if LOST and self._reads_lost(commands, run):
+                return
         for i, command in enumerate(commands):
             if type(command) is not cmd.Wait:
                 run.append(command)
@@ -342,7 +367,9 @@ class QueueActor:
         if run:
             self.engine.put(run)
 
-    def _fail(self, rest: list[Any], run: list[Any], sig: Signal, cause: BaseException) -> None:
+    def _fail(
+        self, rest: list[Any], run: list[Any], sig: Signal | None, cause: BaseException
+    ) -> None:
         """This batch needed what another queue's abandoned (or itself failed) work was to
         write: its work (``rest``'s kernels, copies, loads) is not run and its later Waits
         are dropped; its bookkeeping still runs, so the queue and the timeline go on. The
@@ -353,11 +380,17 @@ class QueueActor:
         what = ", ".join(_describe(c) for c in work[:3]) or "a batch"
         if len(work) > 3:
             what += f" and {len(work) - 3} more"
+        source = f"work that {sig.name} did not finish" if sig is not None else "failed work"
         error = DeviceClosed(
-            f"{self.name} queue: {what} not run: it needed the writes of work that "
-            f"{sig.name} did not finish ({cause})"
+            f"{self.name} queue: {what} not run: it needed the writes of {source} ({cause})"
         )
         error.__cause__ = cause
+        for c in work:
+            for hz in _uses(c)[1]:
+                if len(LOST) >= 4096:
+                    del LOST[next(iter(LOST))]
+                LOST[hz] = error
+        self._suspect = self.sent - self.received  # queued behind it: checked (_batch)
         for c in rest:
             kind = type(c)
             if kind in _WORK or kind is cmd.Wait:
@@ -370,6 +403,21 @@ class QueueActor:
         self.failed += 1
         if run:
             self.engine.put(run)
+
+    def _reads_lost(self, commands: list[Any], run: list[Any]) -> bool:
+        """Fail this batch (True) when its work reads what a failed batch was to write;
+        its writes clear what they overwrite."""
+        for c in commands:
+            if type(c) in _WORK:
+                reads, writes = _uses(c)
+                for hz in reads:
+                    cause = LOST.get(hz)
+                    if cause is not None:
+                        self._fail(commands, run, None, cause)
+                        return True
+                for hz in writes:
+                    LOST.pop(hz, None)
+        return False
 
     async def _stop_engine(self) -> None:
         """Let the engine finish (drain) or skip (cancelled) its work, then join it.

@@ -1,13 +1,16 @@
-"""``hcqa demo --model squeezenet``: a real model cut over two devices, checked against onnxruntime.
+"""``hcqa demo --model squeezenet|gpt``: a real model cut over two devices, checked against
+onnxruntime.
 
 Theory of operation
 -------------------
-The model is made in code, nothing downloaded: the onnx wheel's SqueezeNet with seeded weights
-(:mod:`hcqa.cli._zoo`), a fixed batch of ``--batch-size`` pictures of ``side x side`` (64 by
-default: SqueezeNet's pools need 40 or more). It is written to the work folder and loaded with
-:func:`hcqa.models.load_onnx` on tinygrad's kernels: every kernel tinygrad generates becomes an
-hcqa program and one captured Graph replays them (the front end's capture runs in a worker
-thread; a second run reuses hcqa's model cache, so it starts in seconds).
+The model is made in code, nothing downloaded (:mod:`hcqa.cli._zoo`): the onnx wheel's SqueezeNet
+with seeded weights, a fixed batch of ``--batch-size`` pictures of ``side x side`` (64 by
+default: SqueezeNet's pools need 40 or more), or a GPT-like decoder stack written as an ONNX
+graph (2 pre-norm layers of causal attention and a ReLU MLP, width 128, 32 tokens). It is
+written to the work folder and loaded with :func:`hcqa.models.load_onnx` on tinygrad's kernels:
+every kernel tinygrad generates becomes an hcqa program and one captured Graph replays them (the
+front end's capture runs in a worker thread; a second run reuses hcqa's model cache, so it
+starts in seconds). ``models.pipeline`` cuts it over the two devices.
 
 Two sides run the same microbatches, as in the MLP demo: the model cut over two devices
 (``cpu:0`` / ``cpu:1``, or two hcqa devices on ``opencl:0`` with ``--device opencl``) and the
@@ -17,7 +20,8 @@ each, the speedup and the verdict (:mod:`hcqa.cli._report`).
 
 Every answer of both sides is checked against onnxruntime's session of the same file (one
 thread, on the host, after the timed run): the output prints the largest absolute error and the
-tolerance, ``|hcqa - onnxruntime| <= ATOL + RTOL * |onnxruntime|``; a mismatch exits 1.
+tolerance, ``|hcqa - onnxruntime| <= atol + rtol * |onnxruntime|`` (:data:`TOLERANCE`, per
+model); a mismatch exits 1.
 
 The trace is the MLP demo's machinery (``--trace``, ``--no-trace``, kept only when the run
 finished): regions for the set-up, the warm-ups and each timed part, and a range per kernel on
@@ -61,25 +65,45 @@ from hcqa.trace import region
 if TYPE_CHECKING:
     from hcqa.cli._console import Bar
 
-__all__ = ["ATOL", "FULL", "MODELS", "QUICK", "RTOL", "ModelSpec", "check", "run_model"]
+__all__ = ["FULL", "MODELS", "QUICK", "TOLERANCE", "ModelSpec", "check", "run_model"]
 
-MODELS = ("squeezenet",)
-RTOL, ATOL = 1e-4, 1e-6  # SqueezeNet's answers are softmax probabilities, about 1e-3 each
+MODELS = ("squeezenet", "gpt")
+# (rtol, atol) against onnxruntime: SqueezeNet's answers are softmax probabilities (about 1e-3
+# each); the GPT stack's are LayerNorm outputs of order 1, summed over 4 x 128-wide matmuls
+TOLERANCE = {"squeezenet": (1e-4, 1e-6), "gpt": (1e-4, 1e-5)}
+DESCRIBED = {
+    "squeezenet": "SqueezeNet (the onnx wheel's architecture, seeded weights)",
+    "gpt": "a GPT-like decoder stack (2 layers, width 128, 4 heads, causal; seeded weights)",
+}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The work: ``batches`` microbatches of ``rows`` pictures of ``side x side``."""
+    """The work: ``batches`` microbatches of ``rows`` pictures of ``side x side`` (SqueezeNet)
+    or ``rows`` sequences of ``side`` tokens, each ``width`` wide (the GPT stack)."""
 
     model: str
     batches: int
     rows: int
     side: int
     seed: int = 0
+    width: int = 128
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.model == "gpt":
+            return (self.rows, self.side, self.width)
+        return (self.rows, 3, self.side, self.side)
 
 
-FULL = ModelSpec("squeezenet", batches=64, rows=4, side=64)
-QUICK = ModelSpec("squeezenet", batches=6, rows=1, side=40)
+FULL = {
+    "squeezenet": ModelSpec("squeezenet", batches=64, rows=4, side=64),
+    "gpt": ModelSpec("gpt", batches=192, rows=4, side=32),
+}
+QUICK = {
+    "squeezenet": ModelSpec("squeezenet", batches=6, rows=1, side=40),
+    "gpt": ModelSpec("gpt", batches=6, rows=1, side=16),
+}
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -88,7 +112,7 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
     for flag, used in (("--hidden", args.hidden is not None), ("--processes", args.processes)):
         if used:
             raise CliError(f"{flag} is the MLP demo's: not with --model")
-    base = QUICK if args.quick else FULL
+    base = (QUICK if args.quick else FULL)[args.model]
     spec = ModelSpec(
         args.model,
         batches=args.batches if args.batches is not None else base.batches,
@@ -114,7 +138,7 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
 
 def _inputs(spec: ModelSpec) -> list[F32]:
     rng = np.random.default_rng(spec.seed + 1)
-    shape = (spec.rows, 3, spec.side, spec.side)
+    shape = spec.shape
     return [rng.standard_normal(shape).astype(np.float32) for _ in range(spec.batches)]
 
 
@@ -130,11 +154,11 @@ def _reference(path: Path, xs: Sequence[F32]) -> list[F32]:
     return [sess.run(None, {name: x})[0] for x in xs]
 
 
-def check(got: Sequence[F32], want: Sequence[F32]) -> tuple[float, bool]:
-    """(largest absolute error, whether every answer is within RTOL / ATOL of onnxruntime's)."""
+def check(got: Sequence[F32], want: Sequence[F32], rtol: float, atol: float) -> tuple[float, bool]:
+    """(largest absolute error, whether every answer is within ``atol + rtol * |want|``)."""
     worst = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True))
     ok = len(got) == len(want) and all(
-        g.shape == w.shape and np.allclose(g, w, rtol=RTOL, atol=ATOL)
+        g.shape == w.shape and np.allclose(g, w, rtol=rtol, atol=atol)
         for g, w in zip(got, want, strict=True)
     )
     return worst, ok
@@ -192,7 +216,7 @@ async def _body(
 def run_model(args: argparse.Namespace) -> int:
     """``hcqa demo --model NAME``: see the module doc."""
     from hcqa.cli._console import progress
-    from hcqa.cli._zoo import with_weights
+    from hcqa.cli._zoo import gpt_block, with_weights
 
     spec = _spec(args)
     opencl = args.device == "opencl"
@@ -200,8 +224,8 @@ def run_model(args: argparse.Namespace) -> int:
         check_opencl()
     out = sys.stdout
     out.write(
-        f"hcqa demo: {spec.model} (the onnx wheel's architecture, seeded weights), "
-        f"{spec.batches} microbatches of {spec.rows}x3x{spec.side}x{spec.side} float32\n"
+        f"hcqa demo: {DESCRIBED[spec.model]}, {spec.batches} microbatches of "
+        f"{'x'.join(map(str, spec.shape))} float32\n"
     )
     trace_path = trace_path_of(args)
     partial = partial_trace(trace_path) if trace_path else None
@@ -214,9 +238,12 @@ def run_model(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="hcqa-"))
         os.makedirs(workdir, exist_ok=True)
-        path = with_weights(
-            spec.model, Path(workdir), seed=spec.seed, rows=spec.rows, side=spec.side
-        )
+        if spec.model == "gpt":
+            path = gpt_block(Path(workdir), rows=spec.rows, seq=spec.side, seed=spec.seed)
+        else:
+            path = with_weights(
+                spec.model, Path(workdir), seed=spec.seed, rows=spec.rows, side=spec.side
+            )
         out.write(f"  model file: {path}\n")
         out.flush()
         steps = 2 * (warm + spec.batches)
@@ -238,10 +265,11 @@ def run_model(args: argparse.Namespace) -> int:
         want = _reference(path, xs)
     for line in notes:
         out.write(line + "\n")
-    worst, ok = check([*timed.got, *timed.want], [*want, *want])
+    rtol, atol = TOLERANCE[spec.model]
+    worst, ok = check([*timed.got, *timed.want], [*want, *want], rtol, atol)
     out.write(
         f"  check: all {spec.batches} answers of each side vs onnxruntime, max abs error "
-        f"{worst:.3g} (tolerance {ATOL:g} + {RTOL:g} x |onnxruntime's|): "
+        f"{worst:.3g} (tolerance {atol:g} + {rtol:g} x |onnxruntime's|): "
         f"{'ok' if ok else 'WRONG'}\n"
     )
     report_times(

@@ -116,3 +116,90 @@ def with_weights(
     path = out_dir / f"{arch}{tag}{side or ''}_{seed}.onnx"
     onnx.save(model, str(path))
     return path
+
+
+def gpt_block(
+    out_dir: Path,
+    *,
+    rows: int,
+    seq: int = 32,
+    width: int = 128,
+    heads: int = 4,
+    layers: int = 2,
+    seed: int = 0,
+) -> Path:
+    """A GPT-like decoder stack as an ONNX file (opset 17), seeded weights; its path.
+
+    ``x[rows, seq, width]`` (embedded tokens) through ``layers`` pre-norm blocks: causal
+    multi-head self-attention (``heads``, a constant mask) and a ReLU MLP of ``4 * width``, each
+    added back to the residual stream; a final LayerNorm."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    d, dh = width, width // heads
+    inits: list[Any] = []
+    nodes: list[Any] = []
+
+    def weight(name: str, shape: tuple[int, ...], scale: float) -> str:
+        value = (rng.standard_normal(shape) * scale).astype(np.float32)
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def const(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def node(op: str, ins: list[str], out: str, **attrs: Any) -> str:
+        nodes.append(helper.make_node(op, ins, [out], name=out, **attrs))
+        return out
+
+    def norm(x: str, tag: str) -> str:
+        g = const(f"{tag}.g", np.ones(d, np.float32))
+        b = const(f"{tag}.b", np.zeros(d, np.float32))
+        return node("LayerNormalization", [x, g, b], f"{tag}.out", axis=-1)
+
+    mask = np.triu(np.full((seq, seq), -1e9, np.float32), k=1)
+    const("mask", mask)
+    const("scale", np.array(1.0 / math.sqrt(dh), np.float32))
+    const("heads_shape", np.array([rows, seq, heads, dh], np.int64))
+    const("model_shape", np.array([rows, seq, d], np.int64))
+    x = "x"
+    for i in range(layers):
+        p = f"l{i}"
+        h = norm(x, f"{p}.ln1")
+        qkv = {}
+        for t in "qkv":
+            m = node("MatMul", [h, weight(f"{p}.w{t}", (d, d), d**-0.5)], f"{p}.{t}")
+            r = node("Reshape", [m, "heads_shape"], f"{p}.{t}.heads")
+            perm = [0, 2, 3, 1] if t == "k" else [0, 2, 1, 3]
+            qkv[t] = node("Transpose", [r], f"{p}.{t}.t", perm=perm)
+        s = node("MatMul", [qkv["q"], qkv["k"]], f"{p}.scores")
+        s = node("Mul", [s, "scale"], f"{p}.scaled")
+        s = node("Add", [s, "mask"], f"{p}.masked")
+        a = node("Softmax", [s], f"{p}.attn", axis=-1)
+        o = node("MatMul", [a, qkv["v"]], f"{p}.mix")
+        o = node("Transpose", [o], f"{p}.mix.t", perm=[0, 2, 1, 3])
+        o = node("Reshape", [o, "model_shape"], f"{p}.mix.r")
+        o = node("MatMul", [o, weight(f"{p}.wo", (d, d), d**-0.5)], f"{p}.proj")
+        x = node("Add", [x, o], f"{p}.res1")
+        h = norm(x, f"{p}.ln2")
+        f = node("MatMul", [h, weight(f"{p}.w1", (d, 4 * d), math.sqrt(2.0 / d))], f"{p}.up")
+        f = node("Add", [f, weight(f"{p}.b1", (4 * d,), 0.02)], f"{p}.up.b")
+        f = node("Relu", [f], f"{p}.relu")
+        f = node("MatMul", [f, weight(f"{p}.w2", (4 * d, d), (4 * d) ** -0.5)], f"{p}.down")
+        x = node("Add", [x, f], f"{p}.res2")
+    norm(x, "final")
+    graph = helper.make_graph(
+        nodes,
+        "gpt",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, seq, d])],
+        [helper.make_tensor_value_info("final.out", TensorProto.FLOAT, [rows, seq, d])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path = out_dir / f"gpt_b{rows}_s{seq}_d{width}_{seed}.onnx"
+    onnx.save(model, str(path))
+    return path

@@ -156,7 +156,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=MODELS,
         help="run a real model instead of the MLP: squeezenet (the onnx wheel's SqueezeNet, "
-        "seeded weights), cut over two devices and checked against onnxruntime "
+        "seeded weights) or gpt (a GPT-like decoder stack), cut over two devices by "
+        "models.pipeline and checked against onnxruntime "
         f"({install_hint('models')})",
     )
     add("--no-progress", action="store_true", help="no progress bar (off anyway if not a tty)")
