@@ -318,3 +318,48 @@ async def test_no_fd_or_thread_outlives_a_pipeline() -> None:
     gc.collect()
     assert _fds() == fds
     assert threading.active_count() == threads
+
+
+async def test_a_decoder_keeps_its_kv_cache_on_one_stage_and_generates_the_models_tokens() -> None:
+    """Variables pass through per call; the cache the kernels write at ``start_pos`` (a part
+    of their argument) stays on one stage, shared by the slots; a cut through it is refused."""
+    from tinygrad import Tensor
+
+    vocab, dim, ctx = 32, 16, 12
+    async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
+        where = models.tinygrad_device(d0)
+        rng = np.random.default_rng(7)
+        emb, wq, wk, wv, wo = (
+            Tensor(rng.standard_normal(s).astype(np.float32) * 0.5, device=where).realize()
+            for s in ((vocab, dim), (dim, dim), (dim, dim), (dim, dim), (dim, vocab))
+        )
+        ck = Tensor.zeros(ctx, dim, device=where).contiguous().realize()
+        cv = Tensor.zeros(ctx, dim, device=where).contiguous().realize()
+
+        def step(tok: Any, start_pos: Any) -> Any:
+            h = emb[tok]
+            ck[start_pos : start_pos + 1].assign(h @ wk).realize()
+            cv[start_pos : start_pos + 1].assign(h @ wv).realize()
+            att = ((h @ wq) @ ck[: start_pos + 1].T / dim**0.5).softmax(-1)
+            return ((h + att @ cv[: start_pos + 1]) @ wo).argmax(-1).cast("int32")
+
+        m = await models.from_tinygrad(
+            step, [np.array([0], np.int32)], device=d0, variables={"start_pos": (0, ctx - 1)}
+        )
+        lifted = _lifted(m)
+        together = cut.kept(lifted)
+        assert len(together) >= 2  # the two caches
+        pipe = models.pipeline(m, devices=[d0, d1], depth=2)
+        assert set(pipe._plan.state) == set(together)  # one copy each, on their stage
+        for lo, hi in together.values():
+            assert not any(lo < s.start <= hi for s in pipe.stages)
+        ours, theirs = [3], [3]
+        for pos in range(ctx - 1):
+            ours.append(int((await pipe(np.array([ours[-1]], np.int32), start_pos=pos))[0]))
+            theirs.append(int((await m(np.array([theirs[-1]], np.int32), start_pos=pos))[0]))
+        assert ours == theirs and len(set(ours)) > 2
+        with pytest.raises(hcqa.InvalidCommand, match=r"takes variables \['start_pos'\]"):
+            await pipe(np.array([1], np.int32))
+        lo, hi = next(iter(together.values()))
+        with pytest.raises(hcqa.InvalidCommand, match="must stay on one stage"):
+            models.pipeline(m, devices=[d0, d1], cuts=[hi])

@@ -27,9 +27,10 @@ reads them; each output is copied out from a stage that holds all of it (or move
 last stage first).
 
 Weights (never written) are copied once to each device that reads them. A *state* base whose
-bytes a call reads before writing them (a KV cache) must stay on one stage, shared by every
-microbatch; one touched by two stages is refused. A state base written before it is read is
-per-call scratch.
+bytes a call reads before writing them (a KV cache; with Variables, any state base a kernel
+reads: a write may cover only the row a Variable picks) must stay on one stage, shared by every
+microbatch: the balance only cuts outside the kernels that use it, and ``cuts=`` that split it
+are refused. A state base written before it is read is per-call scratch.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class Plan:
         return tuple(m for s in self.stages for m in s.moves) + self.final
 
 
-def balance(costs: Sequence[int], n: int) -> list[int]:
+def balance(costs: Sequence[int], n: int, forbidden: frozenset[int] = frozenset()) -> list[int]:
     """The ``n - 1`` cut points (indices where stages 1.. start) that minimise the costliest
-    of ``n`` contiguous, non-empty stages of ``costs``."""
+    of ``n`` contiguous, non-empty stages of ``costs``, none of them in ``forbidden``
+    (``[]`` for ``n > 1`` when there is no such cut)."""
     k = len(costs)
     prefix = [0]
     for c in costs:
@@ -105,9 +107,13 @@ def balance(costs: Sequence[int], n: int) -> list[int]:
     for j in range(1, n + 1):
         for i in range(j, k - (n - j) + 1):
             for m in range(j - 1, i):
+                if j > 1 and m in forbidden:
+                    continue
                 worst = max(best[j - 1][m], prefix[i] - prefix[m])
                 if worst < best[j][i]:
                     best[j][i], back[j][i] = worst, m
+    if best[n][k] == inf:
+        return []
     cuts: list[int] = []
     i = k
     for j in range(n, 1, -1):
@@ -161,11 +167,53 @@ def _check_cuts(cuts: Sequence[int], n: int, k: int) -> list[int]:
     return out
 
 
+def kept(lifted: Lifted) -> dict[int, tuple[int, int]]:
+    """The state bases a call may read as an earlier call left them, each with the first and
+    last kernel that touch it: those stay on one stage. A read before any write of its bytes
+    shows it; with Variables, every state base read at all counts (a kernel may write a part
+    of its argument chosen by a Variable -- a cache's row -- and the rest must persist)."""
+    holders = {
+        i: _Holders(b.nbytes, frozenset({INIT}))
+        for i, b in enumerate(lifted.bases)
+        if b.role == "state"
+    }
+    found: set[int] = set()
+    span: dict[int, tuple[int, int]] = {}
+    for n, k in enumerate(lifted.kernels):
+        for i in (*k.reads, *k.writes):
+            b = k.args[i].base
+            if b in holders:
+                span[b] = (span.get(b, (n, n))[0], n)
+        for i in k.reads:
+            a = k.args[i]
+            if a.base in holders:
+                segs = holders[a.base].span(a.offset, a.offset + a.nbytes)
+                if lifted.variables or any(INIT in seg.holders for seg in segs):
+                    found.add(a.base)
+        for i in k.writes:
+            a = k.args[i]
+            if a.base in holders:
+                for seg in holders[a.base].span(a.offset, a.offset + a.nbytes):
+                    seg.holders = frozenset({0})
+    return {b: span[b] for b in sorted(found)}
+
+
 def plan(lifted: Lifted, n: int, cuts: Sequence[int] | None = None) -> Plan:
     """Cut ``lifted`` into ``n`` stages (see the module doc)."""
     kernels = lifted.kernels
     costs = [cost(k) for k in kernels]
-    points = balance(costs, n) if cuts is None else _check_cuts(cuts, n, len(kernels))
+    together = kept(lifted)
+    if cuts is None:
+        forbidden = frozenset(c for lo, hi in together.values() for c in range(lo + 1, hi + 1))
+        points = balance(costs, n, forbidden)
+        if n > 1 and not points:
+            raise InvalidCommand(
+                f"the model can't be cut into {n} stages that each keep its state (caches "
+                f"kept across calls: {len(together)} buffer(s), used by kernels "
+                f"{sorted(together.values())}) on one stage; use fewer devices"
+            )
+    else:
+        points = _check_cuts(cuts, n, len(kernels))
     bounds = list(zip([0, *points], [*points, len(kernels)], strict=True))
     roles = [b.role for b in lifted.bases]
     holders: dict[int, _Holders] = {}
@@ -177,7 +225,7 @@ def plan(lifted: Lifted, n: int, cuts: Sequence[int] | None = None) -> Plan:
     weights: list[set[int]] = [set() for _ in range(n)]
     inputs: list[set[int]] = [set() for _ in range(n)]
     moves: list[list[Move]] = [[] for _ in range(n)]
-    persistent: set[int] = set()
+    persistent: set[int] = set(together)
     slot_of = {b: lifted.bases[b].slot for b in range(len(roles)) if roles[b] == "input"}
 
     def read(s: int, arg: Arg, into: list[Move]) -> None:

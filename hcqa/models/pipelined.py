@@ -47,6 +47,7 @@ from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import Arg, Lifted
 from hcqa.models.model import Model, build_programs, launch, program_key
 from hcqa.signals import Fence
+from hcqa.variables import Variable
 
 __all__ = ["ModelPipeline", "ModelPipelineStatistics", "PipelineStage", "pipeline"]
 
@@ -123,11 +124,6 @@ def pipeline(
             f"model {model.name!r} runs as one opaque kernel (onnxruntime's session): it can't "
             "be cut into stages; load it with backend='tinygrad' to pipeline it"
         )
-    if lifted.variables:
-        raise InvalidCommand(
-            f"model {model.name!r} has variables {[v[0] for v in lifted.variables]}: a "
-            "pipeline replays its stages without per-call values (not supported yet)"
-        )
     kind = "cpu" if lifted.language == "c" else "opencl"
     seen: set[int] = set()
     for i, d in enumerate(devices):
@@ -169,6 +165,7 @@ class ModelPipeline:
         self.depth = depth
         self.inputs, self.outputs = model.inputs, model.outputs
         self._lifted = lifted
+        self._variables = {n: Variable(n, lo, hi) for n, lo, hi in lifted.variables}
         self._plan = planned
         self._batched = bool(model.batch_sizes)
         self._rows = batch_size
@@ -263,7 +260,7 @@ class ModelPipeline:
                     move(m)
                 for k in lifted.kernels[s.start : s.stop]:
                     args = [view(i, a) for a in k.args]
-                    launch(k, programs[i][program_key(k)], args, {})
+                    launch(k, programs[i][program_key(k)], args, self._variables)
                 for m in self._plan.final if i == last else ():
                     move(m)
                 for (_, arg), host, where in zip(
@@ -282,14 +279,14 @@ class ModelPipeline:
 
     # -- running ---------------------------------------------------------------------
 
-    def _check(self, arrays: Sequence[Any]) -> int:
+    def _check(self, arrays: Sequence[Any], variables: dict[str, Any]) -> int:
         """Refuse a call the model would refuse; returns its rows (0: not batched)."""
         if len(arrays) != len(self.inputs):
             raise InvalidCommand(
                 f"model {self.model.name!r} takes {len(self.inputs)} input(s) "
                 f"({', '.join(s.name for s in self.inputs)}) (got {len(arrays)})"
             )
-        rows, _ = self.model._check(arrays, {})
+        rows, _ = self.model._check(arrays, variables)
         if rows > self._rows:
             raise InvalidCommand(
                 f"pipeline of {self.model.name!r} takes batches of at most {self._rows} rows "
@@ -297,17 +294,18 @@ class ModelPipeline:
             )
         return rows
 
-    async def __call__(self, *arrays: Any) -> Any:
-        """Run one call through every stage: one array out, or a tuple for several outputs."""
+    async def __call__(self, *arrays: Any, **variables: int) -> Any:
+        """Run one call through every stage: one array out, or a tuple for several outputs.
+        A model's variables are keywords, as for the model (``start_pos=3``)."""
         if aio.asyncio_caller():
-            return await aio.call(self.__call__, *arrays)
-        rows = self._check(arrays)
+            return await aio.call(self.__call__, *arrays, **variables)
+        rows = self._check(arrays, variables)
         if not self._slots:
             await self.build()
         await self._limit.acquire()
-        return await self._run(arrays, rows)
+        return await self._run(arrays, rows, variables)
 
-    async def _run(self, arrays: Sequence[np.ndarray], rows: int) -> Any:
+    async def _run(self, arrays: Sequence[np.ndarray], rows: int, variables: dict[str, Any]) -> Any:
         """Holds one unit of self._limit; releases it (or hands it to a reclaimer)."""
         slot = self._free.pop()
         handed_off = False
@@ -321,7 +319,8 @@ class ModelPipeline:
                     shaped[rows:] = 0
                 else:
                     host[...] = a.reshape(-1)
-            fence: Fence = slot.graph.submit()
+            vals = {n: int(v) for n, v in variables.items()}
+            fence: Fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
             try:
                 await fence
             except (trio.Cancelled, asyncio.CancelledError):
@@ -353,13 +352,13 @@ class ModelPipeline:
             self._free.append(slot)
             self._limit.release()
 
-    async def map(self, xs: Iterable[Any]) -> list[Any]:
-        """``[await self(x) for x in xs]`` with up to ``depth`` calls in flight; an item is an
-        array, or a tuple of arrays for a model with several inputs."""
+    async def map(self, xs: Iterable[Any], **variables: int) -> list[Any]:
+        """``[await self(x, **variables) for x in xs]`` with up to ``depth`` calls in flight;
+        an item is an array, or a tuple of arrays for a model with several inputs."""
         if aio.asyncio_caller():
-            return await aio.call(self.map, xs)
+            return await aio.call(self.map, xs, **variables)
         calls = [tuple(x) if isinstance(x, tuple) else (x,) for x in xs]
-        rows = [self._check(c) for c in calls]
+        rows = [self._check(c, variables) for c in calls]
         if not self._slots:
             await self.build()
         results: list[Any] = [None] * len(calls)
@@ -367,7 +366,7 @@ class ModelPipeline:
 
         async def one(i: int, scope: trio.CancelScope) -> None:
             try:
-                results[i] = await self._run(calls[i], rows[i])
+                results[i] = await self._run(calls[i], rows[i], variables)
             except Exception as exc:
                 if all(exc is not e for e in errors):
                     errors.append(exc)
