@@ -200,6 +200,8 @@ class QueueActor:
     ) -> None:
         """:meth:`send_nowait` for a list of commands: the :class:`Batch` message is only
         made when the batch goes through the channel (not when it skips the actor)."""
+        if _engine.trace_hook is not None:  # tracing: served work's flows into its kernels
+            _engine.trace_hook.sent(self.engine, commands)
         if self.sent == self.received and not self._busy and not self._closed:
             if waits is None:
                 waits = any(type(c) is cmd.Wait for c in commands)
