@@ -55,8 +55,10 @@ import numpy.typing as npt
 import trio
 
 from hcqa import aio
+from hcqa.actors import engine as _engine
 from hcqa.devices.sizes import check_int, check_sample
 from hcqa.errors import DeviceClosed, InvalidCommand, QueueFull
+from hcqa.trace import serving
 
 __all__ = ["Batcher", "BatcherStatistics", "open_batcher"]
 
@@ -91,6 +93,7 @@ class _Request:
     done: trio.Event = attrs.field(factory=trio.Event)
     result: npt.NDArray[Any] | None = None
     error: BaseException | None = None
+    traced: tuple[int, int, int] | None = None  # where its request range was (tracing only)
 
 
 class Batcher:
@@ -110,8 +113,10 @@ class Batcher:
         depth: int,
         buckets: list[tuple[int, Target]],
         max_pending: int | None,
+        name: str = "",
     ) -> None:
         self.target = target
+        self.name = name
         self.max_batch = max_batch
         self.max_wait = max_wait
         self.sample_shape = sample_shape
@@ -144,6 +149,8 @@ class Batcher:
                 f"(got {len(self._pending)} waiting)"
             )
         request = _Request(sample=arr, arrived=trio.current_time())
+        if _engine.trace_hook is not None:  # tracing: an arrow from the request to its batch
+            request.traced = serving.here()
         self._pending.append(request)
         self._wake.set()
         try:
@@ -218,8 +225,12 @@ class Batcher:
                 n = min(self.max_batch, len(self._pending))
                 batch = [self._pending.popleft() for _ in range(n)]
                 self._in_flight += 1
-                nursery.start_soon(self._run_batch, batch)
+                nursery.start_soon(self._run_batch, batch, name=self._task_name)
             # closed and nothing pending: the nursery waits for the running batches
+
+    @property
+    def _task_name(self) -> str:
+        return f"batch of {self.name}" if self.name else "hcqa.batcher.Batcher._run_batch"
 
     async def _sleep(self, deadline: float) -> None:
         """Park until woken (new request, finished batch, close) or ``deadline`` passes."""
@@ -239,6 +250,9 @@ class Batcher:
         self._batches += 1
         self._samples += n
         self._sizes[n - 1] += 1
+        tracer = serving.active() if _engine.trace_hook is not None else None
+        span = None if tracer is None else serving.batch_begin(tracer, self.name or "batcher")
+        error = ""
         try:
             # the smallest pipeline that holds n rows (a plain callable takes exactly n)
             rows, target = next(((r, t) for r, t in self._buckets if r >= n), (n, self.target))
@@ -257,6 +271,7 @@ class Batcher:
                 r.result = np.array(y[i])  # a copy: a pipeline's lent output goes back at once
         except Exception as exc:
             self._failed += 1
+            error = type(exc).__name__
             for r in batch:
                 r.error = exc
         except BaseException:  # cancelled: the batcher is closing by an exception
@@ -264,6 +279,9 @@ class Batcher:
                 r.error = DeviceClosed("the batcher closed before this batch finished")
             raise
         finally:
+            if span is not None:
+                froms = [r.traced for r in batch]
+                serving.batch_end(tracer, span, self.name or "batcher", froms, error)
             for r in batch:
                 r.done.set()
             self._in_flight -= 1
@@ -304,6 +322,7 @@ async def open_batcher(
     dtype: npt.DTypeLike | None = None,
     depth: int | None = None,
     max_pending: int | None = None,
+    name: str = "",
 ) -> AsyncIterator[Batcher]:
     """Batch single samples for ``target`` inside the block: ``row = await batch(sample)``.
 
@@ -319,7 +338,8 @@ async def open_batcher(
 
     ``max_wait`` (seconds): the longest a request waits for its batch to fill while the
     target is busy; when nothing runs, a batch goes at once. ``max_pending``: a call that
-    finds that many requests waiting raises ``QueueFull`` (None: no limit).
+    finds that many requests waiting raises ``QueueFull`` (None: no limit). ``name`` (a served
+    model's) names the batch tasks and, in a trace, the batches' track.
 
     Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
     trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.
@@ -422,6 +442,7 @@ async def open_batcher(
         depth=depth,
         buckets=buckets,
         max_pending=max_pending,
+        name=str(name),
     )
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:

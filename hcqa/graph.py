@@ -33,7 +33,9 @@ message per queue, saying whether it holds Waits (so an idle actor need not scan
 ``buffers={captured: new}`` replays on other buffers of the same device, nbytes, dtype
 and shape: the entries that mention them are rebuilt for that replay (fused runs
 rebind their address entries and stay fused), and the replay's hazards are tracked
-on the new buffers. The graph's boundary is ordered against everything else
+on the new buffers. ``g.submit(buffers=...)`` inside another capture records ``g``'s
+enqueues into that graph, on the new buffers (a graph composed of graphs: how a
+:class:`~hcqa.Pipeline` runs a Graph stage). The graph's boundary is ordered against everything else
 with the same buffer hazards as eager work, so replays of one graph from
 several tasks, or eager work around a replay, serialize correctly: a replay
 simply queues behind the previous one.
@@ -195,8 +197,37 @@ class Graph:
         """Send one replay now (never blocks); the Fence is reached when all of it is done.
 
         ``buffers={captured: new}`` runs it on other buffers (same device, nbytes, dtype
-        and shape) for this replay."""
+        and shape) for this replay. Inside another graph's capture it records this graph's
+        work there instead (see :meth:`_inline`)."""
+        outer = current_capture()
+        if outer is not None:
+            return self._inline(outer, var_vals, buffers)
         fence, _ = self._submit(var_vals, buffers)
+        return fence
+
+    def _inline(self, outer: Graph, var_vals: dict[str, Any], buffers: object) -> Fence:
+        """Record every enqueue this graph captured into ``outer``'s capture, on the buffers
+        ``buffers`` names instead of the captured ones: as if the work were enqueued again
+        there. Its variables stay variables (of ``outer``: bound when it is replayed)."""
+        if not self._built:
+            raise InvalidCommand("a graph can be replayed once its capture block has ended")
+        if var_vals:
+            raise InvalidCommand(
+                "a graph replayed inside a capture keeps its variables; bind them when the "
+                f"enclosing graph is replayed (got values for {sorted(var_vals)})"
+            )
+        rebind: dict[Buffer, Buffer] = {}
+        if buffers is not None:
+            rebind = check_rebind(
+                buffers, self._plan.captured, self._plan.shared, self._plan.allocations
+            )
+        fence = Fence(outer._capture_signal, 1)
+        for n in self._nodes:
+            commands = [rebind_command(c, rebind) for c in n.commands] if rebind else n.commands
+            reads = tuple(rebind.get(b, b) for b in n.reads)
+            writes = tuple(rebind.get(b, b) for b in n.writes)
+            device = cast("Device", n.actor.device)
+            fence = outer._record(device, n.actor, list(commands), reads, writes, n.also)
         return fence
 
     def _submit(
@@ -205,7 +236,9 @@ class Graph:
         if not self._built:
             raise InvalidCommand("a graph can be replayed once its capture block has ended")
         if current_capture() is not None:
-            raise InvalidCommand("replaying a graph inside a capture is not supported")
+            raise InvalidCommand(
+                "a graph can't be awaited inside a capture: g.submit() records its work there"
+            )
         if not self._plan.parts:
             raise InvalidCommand("this graph captured no work")
         bound = self._bind(var_vals)

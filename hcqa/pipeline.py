@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 A :class:`Pipeline` is a list of :class:`Stage` s, each a program on one
-device. It owns ``depth`` *slots*; a slot is one set of buffers (each stage's
-input and output) and one captured :class:`~hcqa.graph.Graph` that runs every
+device or a captured :class:`~hcqa.graph.Graph` (with the buffer it reads its input from
+and the one it writes its output to). It owns ``depth`` *slots*; a slot is one set of
+buffers (each stage's input and output) and one captured :class:`~hcqa.graph.Graph` that runs every
 stage on its slot and moves each stage's output to the next stage's device
 with ``hcqa.transfer``. Graphs of different slots share no buffers, so while
 slot ``k`` runs stage 2 on ``cpu:1``, slot ``k + 1`` runs stage 1 on ``cpu:0``,
@@ -33,6 +34,10 @@ thread). With other calls in flight it replays the graph as under trio, so the q
 actors chain the stages without waiting for a busy asyncio loop between them. A call
 that must wait for a slot runs in the trio host.
 
+A Graph stage is recorded into each slot's graph (``g.submit(buffers=...)`` in a capture)
+on the slot's own input and output buffers; what else it uses (weights, scratch) the slots
+share, in order by the buffers' hazards.
+
 Cancellation: cancelling a caller stops its wait at once. The work already
 queued on its slot completes on the devices; the slot (and its unit of
 ``depth``) goes back to the pool only when that work is done, so cancelled
@@ -48,7 +53,7 @@ import asyncio
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -77,11 +82,13 @@ class Stage:
     program on ``device``). ``out_shape`` / ``out_dtype`` default to the input's.
     ``vals`` and the launch geometry are passed as given to every launch (an OpenCL kernel
     needs its NDRange; a C kernel its sizes); the program checks them when the pipeline is
-    built.
+    built. Or a captured :class:`~hcqa.Graph`, with the typed buffers it captured that it
+    reads its input from (``in_buffer``, on ``device``) and writes its output to
+    (``out_buffer``): each microbatch gets its own in their place.
     """
 
     device: Device
-    program: Program | Callable[..., Any]
+    program: Program | Graph | Callable[..., Any]
     out_shape: Sequence[int] | int | None = None
     out_dtype: Any = None
     params: tuple[Buffer, ...] = ()
@@ -89,6 +96,8 @@ class Stage:
     vals: tuple[int, ...] = ()
     global_size: tuple[int, int, int] = (1, 1, 1)
     local_size: tuple[int, int, int] = (1, 1, 1)
+    in_buffer: Buffer | None = None
+    out_buffer: Buffer | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -153,8 +162,16 @@ class Pipeline:
 
     # -- building --------------------------------------------------------------------
 
-    @staticmethod
-    def _program(stage: Stage, index: int) -> Program:
+    def _program(self, stage: Stage, index: int) -> Program | None:
+        if isinstance(stage.program, Graph):
+            g_in = cast("Buffer", stage.in_buffer)  # (checked by _stage)
+            want = (self._shape_after(index - 1) if index else self.in_shape, self._dtype_at(index))
+            if (g_in.shape, g_in.dtype) != want:
+                raise InvalidCommand(
+                    f"stage {index}: the graph's in_buffer must be {want[1]}{list(want[0])}, "
+                    f"what the stage receives (got {g_in.dtype}{list(g_in.shape or ())})"
+                )
+            return None
         if isinstance(stage.program, Program):
             if stage.program.device is not stage.device:
                 raise InvalidCommand(
@@ -168,6 +185,13 @@ class Pipeline:
                 f"(got {type(stage.program).__name__})"
             )
         return stage.device.program(stage.name or f"stage{index}", stage.program)
+
+    def _dtype_at(self, index: int) -> np.dtype[Any]:
+        """The dtype stage ``index`` receives."""
+        dtype = self.dtype
+        for s in self.stages[:index]:
+            dtype = np.dtype(s.out_dtype) if s.out_dtype is not None else dtype
+        return dtype
 
     def _shape_after(self, index: int) -> tuple[int, ...]:
         shape = self.in_shape
@@ -189,6 +213,10 @@ class Pipeline:
                     inp = moved
                 shape = _out_shape(stage) or shape
                 dtype = np.dtype(stage.out_dtype) if stage.out_dtype is not None else dtype
+                if prog is None:  # a Graph stage, on this slot's buffers
+                    out = _graph_step(index, stage, inp, steps)
+                    inp = out
+                    continue
                 out = stage.device.alloc(shape=shape, dtype=dtype)
                 if dry_run:
                     _dry_run(index, stage, prog, out, inp)
@@ -398,6 +426,54 @@ def _out_shape(stage: Stage) -> tuple[int, ...] | None:
     return None if stage.out_shape is None else check_shape(stage.out_shape)
 
 
+def _graph_stage(stage: Stage, index: int) -> Stage:
+    """A checked Graph stage, its ``out_shape`` / ``out_dtype`` its ``out_buffer``'s."""
+    graph = stage.program
+    assert isinstance(graph, Graph)
+    where = f"stage {index}"
+    if not graph._built:
+        raise InvalidCommand(f"{where}: the graph's capture block must have ended")
+    if graph._variables:
+        names = sorted(v.name for v in graph._variables)
+        raise InvalidCommand(f"{where}: the graph has variables {names}; a stage has no values")
+    if stage.params or stage.vals or stage.out_shape is not None or stage.out_dtype is not None:
+        raise InvalidCommand(
+            f"{where}: params, vals, out_shape and out_dtype are a program stage's; a Graph "
+            "stage's output is its out_buffer"
+        )
+    for name in ("in_buffer", "out_buffer"):
+        b = getattr(stage, name)
+        if not isinstance(b, Buffer):
+            raise InvalidCommand(
+                f"{where}: a Graph stage needs its {name} (Stage(device=..., program=graph, "
+                f"in_buffer=..., out_buffer=...)) (got {type(b).__name__})"
+            )
+        if b not in graph._plan.captured:
+            raise InvalidCommand(f"{where}: {name} {b!r} must be a buffer the graph captured")
+        if b.dtype is None or b.shape is None:
+            raise InvalidCommand(f"{where}: {name} must have a dtype and a shape (got {b!r})")
+    assert stage.in_buffer is not None and stage.out_buffer is not None
+    if stage.in_buffer.device is not stage.device:
+        raise InvalidCommand(
+            f"{where}: in_buffer must be on {stage.device.name}, the stage's device "
+            f"(got one on {stage.in_buffer.device.name})"
+        )
+    return attrs.evolve(stage, out_shape=stage.out_buffer.shape, out_dtype=stage.out_buffer.dtype)
+
+
+def _graph_step(index: int, stage: Stage, inp: Buffer, steps: list[Callable[[], Fence]]) -> Buffer:
+    """Record a Graph stage on ``inp`` and a fresh output buffer; returns the output."""
+    graph, g_in, g_out = stage.program, stage.in_buffer, stage.out_buffer
+    assert isinstance(graph, Graph) and g_in is not None and g_out is not None
+    out = inp if g_out is g_in else g_out.device.alloc(shape=g_out.shape, dtype=g_out.dtype)
+    steps.append(functools.partial(graph.submit, buffers={g_in: inp, g_out: out}))
+    try:
+        steps[-1]()
+    except InvalidCommand as exc:  # (a buffer the graph also uses through a view)
+        raise InvalidCommand(f"stage {index}: {exc}") from None
+    return out
+
+
 def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
     if isinstance(s, Stage):
         stage = s
@@ -410,6 +486,13 @@ def _stage(s: Stage | tuple[Device, Any], index: int) -> Stage:
     if not isinstance(stage.device, Device):
         raise InvalidCommand(
             f"stage {index}: device must be a hcqa Device (got {type(stage.device).__name__})"
+        )
+    if isinstance(stage.program, Graph):
+        return _graph_stage(stage, index)
+    if stage.in_buffer is not None or stage.out_buffer is not None:
+        raise InvalidCommand(
+            f"stage {index}: in_buffer / out_buffer are for a Graph stage (got a "
+            f"{type(stage.program).__name__} program)"
         )
     if stage.out_shape is not None:
         out_shape = check_shape(stage.out_shape, f"stage {index}'s 'out_shape'")

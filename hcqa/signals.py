@@ -195,6 +195,9 @@ class Signal(ParkingLot):
         self._rereads = True
         self._soon = False  # see ParkingLot._wait_limited
         self._broken: BaseException | None = None
+        # Values whose setter's work failed alone (``_fail_value``): a wait that reaches
+        # exactly such a value is told (see QueueActor._lost, Fence.wait); rare, small.
+        self._failed: dict[int, BaseException] = {}
         self._closed = False
         # Engine writes hold the lock close() takes (see _set_from_engine). A device
         # clears this for its own signals, which it closes only after joining every
@@ -349,6 +352,15 @@ class Signal(ParkingLot):
         return f"<Signal {self.name} value={self.value}>"
 
     # -- breaking and closing ------------------------------------------------------------
+
+    def _fail_value(self, value: int, exc: BaseException) -> None:
+        """Record that the work which sets ``value`` failed alone with ``exc`` (the value
+        is still set, the signal is not broken): fences and queue waits on exactly
+        ``value`` raise it. Keeps the last 256."""
+        failed = self._failed
+        if len(failed) >= 256:
+            del failed[next(iter(failed))]
+        failed[value] = exc
 
     def _break(self, exc: BaseException) -> None:
         """Make every unreached wait raise ``exc`` (the first break wins)."""

@@ -787,6 +787,23 @@ def test_array_address_is_numpys_data_pointer(
         assert buffer.array_address(a) == a.__array_interface__["data"][0], repr(a)
 
 
+async def test_staged_copy_longer_than_the_ring_cycles_a_cache_sized_ring() -> None:
+    """A staged copy of 24 MiB goes through the default ring, which stays a few MiB (kept in
+    the caches: see memory.StagingRing) and wraps, and every byte arrives both ways."""
+    async with hcqa.open_device("cpu:0", hang_limit=5, host_visible=False) as d:
+        ring = d.staging  # type: ignore[attr-defined]
+        src = np.random.default_rng(3).integers(0, 255, 24 << 20, dtype=np.uint8)
+        buf = d.alloc(src.nbytes)
+        await buf.copyin(src)
+        out = np.zeros_like(src)
+        await buf.copyout(out)
+        np.testing.assert_array_equal(out, src)
+        stats = ring.statistics()
+        assert stats.allocated * stats.chunk_size <= 8 << 20
+        assert stats.uses == 2 * (24 << 20) // stats.chunk_size
+        assert stats.wraps >= 2
+
+
 async def test_staged_copies_reuse_chunks_only_once_drained(
     thread_names: Callable[[], set[str]],
 ) -> None:

@@ -285,3 +285,79 @@ async def test_the_trace_draws_the_flow_of_a_driver_kept_wait(tmp_path: Path) ->
     starts = [e for e in doc if e["ph"] == "s" and e["pid"] == pids["opencl:0"]]
     ends = [e for e in doc if e["ph"] == "f" and e["pid"] == pids["opencl:0#2"]]
     assert {e["id"] for e in starts} & {e["id"] for e in ends}  # fill -> copy, across devices
+
+
+SPIN = """
+__kernel void spin(__global int *y, int n) {
+    int a = y[get_global_id(0)];
+    for (int i = 0; i < n; i++) a = a * 3 + 1;
+    y[get_global_id(0)] = a;
+}
+"""
+
+
+class _CancelAtStep(trio.abc.Instrument):
+    """Cancels ``scope`` once ``task`` has taken ``step`` steps (a step: the run between
+    two checkpoints), so the cancellation lands at that await."""
+
+    def __init__(self, task: Any, scope: trio.CancelScope, step: int) -> None:
+        self.task, self.scope, self.step, self.steps = task, scope, step, 0
+
+    def before_task_step(self, task: Any) -> None:
+        if task is self.task:
+            self.steps += 1
+            if self.steps == self.step:
+                self.scope.cancel()
+
+
+async def test_a_cancellation_at_every_await_of_a_block_with_driver_kept_waits(
+    fd_count: Callable[[], int],
+) -> None:
+    """A block on a second hcqa device of the same OpenCL device -- a program, a fill, a
+    transfer that waits for it in the driver, a cross-device transfer into the survivor --
+    cancelled at each of its awaits in turn: the cancellation ends it, the surviving device
+    stays unfaulted and usable, a transfer that needed the abandoned fill either completed
+    or failed alone (DeviceClosed), and no fd or producer is left behind."""
+    async with hcqa.open_device("opencl:0") as keep:
+        kept = keep.alloc(shape=(N,), dtype="int32")
+        fill = keep.program("fill", SOURCE)
+        await fill(kept, vals=(0,), **GEOMETRY)
+        before, producers = fd_count(), len(runtime.producers)
+        task = trio.lowlevel.current_task()
+        step, untouched = 1, False
+        while not untouched:  # until the cancellation comes after the block's last await
+            finished = False
+            pulled: list[Any] = []
+            with trio.CancelScope() as scope, trio.fail_after(20):
+                instrument = _CancelAtStep(task, scope, step)
+                trio.lowlevel.add_instrument(instrument)
+                try:
+                    async with hcqa.open_device("opencl:0") as g:
+                        x = g.alloc(shape=(N,), dtype="int32")
+                        y = g.alloc(shape=(N,), dtype="int32")
+                        prog = await g.program_async("fill", SOURCE)
+                        spin = await g.program_async("spin", SPIN)
+                        for _ in range(6):  # past the driver's window: the fill waits
+                            spin(x, vals=(200_000,), **GEOMETRY)
+                        prog(x, vals=(step,), **GEOMETRY)
+                        hcqa.transfer(y, x)  # g's copy queue waits for the fill
+                        pulled.append(hcqa.transfer(kept, y))  # keep's, after that
+                        await pulled[0]
+                        finished = True
+                finally:
+                    trio.lowlevel.remove_instrument(instrument)
+            untouched = not scope.cancel_called
+            if finished:
+                assert await _read(kept) == [step] * N
+            elif pulled:
+                try:
+                    await pulled[0]
+                except hcqa.DeviceClosed:
+                    pass  # needed what the cancelled block abandoned: failed alone
+            assert keep.faulted is None, f"cancelled at await {step}: {keep.faulted!r}"
+            await fill(kept, vals=(-1,), **GEOMETRY)  # the survivor goes on
+            assert await _read(kept) == [-1] * N
+            assert len(runtime.producers) == producers
+            assert fd_count() == before, f"cancelled at await {step}: fds leaked"
+            step += 1
+        assert step > 8  # the block (and its close) had awaits to cancel at

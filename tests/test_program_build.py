@@ -263,3 +263,36 @@ def test_program_async_under_asyncio(c_cache: Path) -> None:
             return int(word[0])
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == 12
+
+
+async def test_a_graph_capture_compiles_nothing_on_the_loop(
+    c_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending a capture fuses the graph's runs of C kernels; with a cold compiler cache,
+    nothing is compiled on the loop's thread for it (the runs use the generic runner that
+    program_async loaded), and the replays compute what they should."""
+    on_loop: list[str] = []
+    real = compile_c
+    loop_thread = threading.get_ident()
+
+    def watched(source: str, entry: str, **kw: Any) -> Any:
+        if threading.get_ident() == loop_thread:
+            on_loop.append(entry)
+        return real(source, entry, **kw)
+
+    monkeypatch.setattr(crunner, "compile_c", watched)
+    crunner.generic_entry.cache_clear()
+    monkeypatch.setattr(crunner, "_TRAMPOLINES", {})
+    async with hcqa.open_device("cpu:0") as d:
+        prog = await d.program_async("value", _cold(VALUE_C), flags=("-DVALUE=7",))
+        a, b, c = d.alloc(4), d.alloc(4), d.alloc(4)
+        with hcqa.capture() as g:
+            prog(a)
+            prog(b)
+            prog(c)
+        assert on_loop == []
+        assert g.statistics().native_runs >= 1, "the capture fused nothing"
+        await g()
+        await g()
+        assert [await _read(x) for x in (a, b, c)] == [7, 7, 7]
+    assert on_loop == []

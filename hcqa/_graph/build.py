@@ -270,7 +270,10 @@ def build_part(
     nsig += 1  # the part's final signal
     patches.append((len(template), "signal", nsig))
     template.append(None)
-    template, patches, fused = fuse(template, patches)
+    # The runs are made ``at_submit`` too: a capture ends on the caller's task (the event
+    # loop), where a compile would block it; the generic runner was loaded with the
+    # programs (``program_async``), so nothing is compiled here.
+    template, patches, fused = fuse(template, patches, at_submit=True)
     slots: list[tuple[int, CommandSlot | RunSlot]] = []
     values: list[tuple[int, str, Any]] = []
     for index, kind, data in patches:

@@ -30,6 +30,7 @@ class SignalRef(Protocol):
     wait): ``hcqa.signals`` builds on this module, so it names the Signal through this."""
 
     name: str
+    _failed: dict[int, BaseException]
 
     @property
     def value(self) -> int: ...
@@ -53,7 +54,8 @@ class Fence:
     """A point on a timeline: ``signal`` reaching ``value``.
 
     ``await fence`` waits for it; ``fence.wait_sync(timeout=...)`` blocks a thread;
-    ``fence.reached`` tells without waiting. Devices hand out fences that also
+    ``fence.reached`` tells without waiting (a step whose batch failed alone is reached;
+waiting on it raises that batch's error). Devices hand out fences that also
     carry their hang limit and a description used in error messages.
     """
 
@@ -78,12 +80,16 @@ class Fence:
             if self.device is not None:
                 self.device._hang(exc)
             raise
+        failed = self.signal._failed
+        if failed and self.value in failed:  # the step's batch failed alone
+            raise failed[self.value]
 
     def __await__(self) -> Generator[Any, None, None]:
         """``await fence``: see :meth:`wait`."""
         # A fence already reached, awaited from trio, is exactly a checkpoint (what wait
         # comes to), without wait's frames.
-        if self.signal.value >= self.value and _in_trio_task():
+        sig = self.signal
+        if sig.value >= self.value and not sig._failed and _in_trio_task():
             return _checkpoint().__await__()
         return self.wait().__await__()
 
@@ -91,6 +97,9 @@ class Fence:
         """Block this (non-trio) thread until the fence is reached; SignalTimeout after
         ``timeout`` seconds."""
         self.signal.wait_sync(self.value, timeout)
+        failed = self.signal._failed
+        if failed and self.value in failed:
+            raise failed[self.value]
 
     def __repr__(self) -> str:
         state = "reached" if self.reached else f"at {self.signal.value}"

@@ -45,7 +45,6 @@ BACKOFF_FIRST = 0.001
 BACKOFF_MAX = 0.064  # a memory-only write is seen within this (plus scheduling): < 100 ms
 
 
-
 class Watched(Protocol):
     """What the re-reader needs of a signal (a ``ParkingLot``, ``parking.py``, which imports
     this module): its eventfd and value slot to re-read, and how to expire a timed waiter."""

@@ -19,7 +19,11 @@ once the Wait is satisfied.
 A Wait that ends in an error -- the awaited signal was broken by another
 device's fault, or its hang limit passed with no progress -- faults this
 device with that very error instance, so faults travel across devices instead
-of becoming hangs.
+of becoming hangs. One exception: another device's work *abandoned* when its block
+was left is no fault of this device. A batch that waited for its writes fails alone
+(``_fail``: its work is skipped, its fence raises a ``DeviceClosed`` naming it, and
+batches of other queues waiting for exactly it fail the same way); one that waited
+only for its reads goes on.
 
 Two shortcuts skip the actor (counted in ``direct``): a batch without Waits sent
 to an idle actor goes straight to the engine; and a short copy (see
@@ -53,6 +57,35 @@ from hcqa.errors import DeviceClosed, HcqaError
 from hcqa.signals import Signal
 
 __all__ = ["Batch", "QueueActor", "QueueOwner", "QueueStatistics"]
+
+
+_WORK = (cmd.Exec, cmd.Copy, cmd.Load)  # what a failed batch does not run (see _fail)
+
+# Allocations (their hazard records, ``Buffer._hazards``) whose contents a failed batch was
+# to write: a later batch that reads one fails the same way (``Device._submit`` checks at
+# submit, the actor the batches already queued behind the failed one); a write clears it.
+LOST: dict[Any, BaseException] = {}
+
+
+def _uses(c: Any) -> tuple[list[Any], list[Any]]:
+    """The allocations (hazard records) a work command reads and writes."""
+    kind = type(c)
+    if kind is cmd.Exec:
+        writes, reads = c.program.access(len(c.buffers))
+        bufs = c.buffers
+        return [bufs[i]._hazards for i in reads], [bufs[i]._hazards for i in writes]
+    if kind is cmd.Copy:
+        src, dest = getattr(c.src, "_hazards", None), getattr(c.dest, "_hazards", None)
+        return ([src] if src is not None else []), ([dest] if dest is not None else [])
+    if kind is cmd.Load:
+        return [], [c.dest._hazards]
+    return [], []
+
+
+def _describe(c: Any) -> str:
+    if type(c) is cmd.Exec:
+        return f"kernel {c.program.name!r}"
+    return "a copy" if type(c) is cmd.Copy else f"a load of {c.path!r}"
 
 
 class QueueOwner(Protocol):
@@ -114,6 +147,8 @@ class QueueActor:
         self._busy = False
         self._closed = False
         self._leftover: list[Any] = []  # commands cut off by cancellation
+        self.failed = 0  # batches failed alone (see _fail)
+        self._suspect = 0  # batches in the channel when one failed (see _reads_lost)
         self.direct = 0  # batches that went straight to the engine (or ran inline)
         # Waits the driver may keep (see the module doc): asked before awaiting on the host
         self._hold = device._driver_wait if device.driver_waits else None
@@ -165,6 +200,8 @@ class QueueActor:
     ) -> None:
         """:meth:`send_nowait` for a list of commands: the :class:`Batch` message is only
         made when the batch goes through the channel (not when it skips the actor)."""
+        if _engine.trace_hook is not None:  # tracing: served work's flows into its kernels
+            _engine.trace_hook.sent(self.engine, commands)
         if self.sent == self.received and not self._busy and not self._closed:
             if waits is None:
                 waits = any(type(c) is cmd.Wait for c in commands)
@@ -196,6 +233,8 @@ class QueueActor:
             if type(c) is cmd.Wait:
                 sig: Signal = c.signal
                 target: int = c.value  # type: ignore[assignment]  # resolved at submit
+                if sig._failed and target in sig._failed:
+                    return None  # the actor fails this batch (see _batch)
                 if sig.value >= target:
                     continue
                 gate = hold(self, sig, target)
@@ -274,17 +313,29 @@ class QueueActor:
     async def _batch(self, batch: Batch) -> None:
         run: list[Any] = []
         commands = batch.commands
+        if self._suspect:  # queued before a batch of this queue failed: reads what it lost?
+            self._suspect -= 1
+            if LOST and self._reads_lost(commands, run):
+                return
         for i, command in enumerate(commands):
             if type(command) is not cmd.Wait:
                 run.append(command)
                 continue
             sig: Signal = command.signal
             target: int = command.value  # type: ignore[assignment]  # resolved at submit
-            if sig.value >= target or self.device._error is not None:
+            if self.device._error is not None:
+                continue
+            if sig.value >= target:
+                if sig._failed and command.after_write and target in sig._failed:
+                    self._fail(commands[i + 1 :], run, sig, sig._failed[target])
+                    return
                 continue
             if self._hold is not None:  # the driver may keep it: no await
                 gate = self._hold(self, sig, target)
-                if gate is not None:
+                if gate is not None:  # (the producer's batch is enqueued: its fate decided)
+                    if sig._failed and command.after_write and target in sig._failed:
+                        self._fail(commands[i + 1 :], run, sig, sig._failed[target])
+                        return
                     run.append(gate)
                     continue
             if run:
@@ -296,20 +347,79 @@ class QueueActor:
                     target, self.device.hang_limit, f"{self.name} queue", observe=False
                 )
             except HcqaError as exc:
-                # A wait only for another device's *reads* (before we overwrite what they
-                # read) that device abandoned when its block was left: they will never
-                # read, so there is nothing to wait for -- not a fault of ours.
-                if not (command.after_write is False and getattr(exc, "abandoned", False)):
+                # Another device's work abandoned when its block was left. A wait only for
+                # its *reads* (before we overwrite what they read): they will never read,
+                # nothing to wait for. A wait for its *writes*: this batch can't run
+                # correctly, and fails alone -- not a fault of this device.
+                if not getattr(exc, "abandoned", False) or self.engine.error is not None:
                     self.device._fault(exc)
+                elif command.after_write:
+                    self._fail(commands[i + 1 :], run, sig, exc)
+                    return
             except trio.Cancelled:
                 self._leftover = commands[i + 1 :]
                 raise
             finally:
                 self._waiting = False
+            if sig._failed and command.after_write and target in sig._failed:
+                self._fail(commands[i + 1 :], run, sig, sig._failed[target])
+                return
             if _engine.trace_hook is not None:  # tracing: a flow arrow into `run`'s first range
                 _engine.trace_hook.waited(self.engine, sig, target, run)
         if run:
             self.engine.put(run)
+
+    def _fail(
+        self, rest: list[Any], run: list[Any], sig: Signal | None, cause: BaseException
+    ) -> None:
+        """This batch needed what another queue's abandoned (or itself failed) work was to
+        write: its work (``rest``'s kernels, copies, loads) is not run and its later Waits
+        are dropped; its bookkeeping still runs, so the queue and the timeline go on. The
+        values it sets are marked failed with a :class:`DeviceClosed` naming the work and
+        ``sig``: its fence raises it, and so does a batch of another queue that waited for
+        exactly this one (the failure travels along the dependency, not to the device)."""
+        work = [c for c in rest if type(c) in _WORK]
+        what = ", ".join(_describe(c) for c in work[:3]) or "a batch"
+        if len(work) > 3:
+            what += f" and {len(work) - 3} more"
+        source = f"work that {sig.name} did not finish" if sig is not None else "failed work"
+        error = DeviceClosed(
+            f"{self.name} queue: {what} not run: it needed the writes of {source} ({cause})"
+        )
+        error.__cause__ = cause
+        for c in work:
+            for hz in _uses(c)[1]:
+                if len(LOST) >= 4096:
+                    del LOST[next(iter(LOST))]
+                LOST[hz] = error
+        self._suspect = self.sent - self.received  # queued behind it: checked (_batch)
+        for c in rest:
+            kind = type(c)
+            if kind in _WORK or kind is cmd.Wait:
+                continue
+            if kind is cmd.Signal:
+                c.signal._fail_value(c.value, error)
+            elif kind is cmd.Step and getattr(c.timeline, "_owner", None) is self.device:
+                c.timeline.fail(c.seq, error)
+            run.append(c)
+        self.failed += 1
+        if run:
+            self.engine.put(run)
+
+    def _reads_lost(self, commands: list[Any], run: list[Any]) -> bool:
+        """Fail this batch (True) when its work reads what a failed batch was to write;
+        its writes clear what they overwrite."""
+        for c in commands:
+            if type(c) in _WORK:
+                reads, writes = _uses(c)
+                for hz in reads:
+                    cause = LOST.get(hz)
+                    if cause is not None:
+                        self._fail(commands, run, None, cause)
+                        return True
+                for hz in writes:
+                    LOST.pop(hz, None)
+        return False
 
     async def _stop_engine(self) -> None:
         """Let the engine finish (drain) or skip (cancelled) its work, then join it.

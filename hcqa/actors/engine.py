@@ -58,6 +58,8 @@ _SIGNAL = cmd.Signal
 # Tracing hook (set by hcqa/trace/ while a Tracer records device activity, else None).
 # The engine reads it once per run: ``trace_hook.engine_run(engine, run, table)`` returns
 # the handler table to use for that run (the same handlers, wrapped to record time ranges).
+# A queue actor also calls ``trace_hook.sent(engine, commands)`` for each submission it is
+# handed (served work's flows into its kernels), and ``waited`` after a Wait it awaited.
 trace_hook: Any = None
 
 # The values of the latest ``Bind`` this thread ran: an engine thread's Python kernels

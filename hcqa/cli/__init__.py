@@ -281,7 +281,8 @@ COMMANDS: dict[str, Command] = {
         run=_run_info,
     ),
     "demo": Command(
-        help="run an MLP as a 2-stage pipeline over cpu:0 and cpu:1; check it, time it, trace it",
+        help="run an MLP (or --model squeezenet) as a 2-stage pipeline over cpu:0 and cpu:1; "
+        "check it, time it, trace it",
         configure=_configure_demo,
         run=_run_demo,
     ),

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ __all__ = [
     "FULL",
     "QUICK",
     "WARM_PASSES",
+    "Driven",
     "Layout",
     "MlpSpec",
     "Timed",
@@ -45,6 +46,16 @@ __all__ = [
 
 F32 = npt.NDArray[np.float32]
 Layout = list[tuple[int, int]]  # (offset, nbytes) in the weights file, per array: W0, b0, W1, ...
+
+
+class Driven(Protocol):
+    """What :func:`drive` runs: a pipeline (``hcqa.Pipeline``, a process pipeline, a model's)
+    awaited per microbatch, with ``depth`` of them in flight."""
+
+    @property
+    def depth(self) -> int: ...
+
+    async def __call__(self, x: Any, /) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -173,7 +184,7 @@ async def build_pipelines(
 
 
 async def drive(
-    pipe: hcqa.Pipeline | hcqa.ProcessPipeline,
+    pipe: Driven,
     xs: Sequence[F32],
     on_result: Callable[[], None] | None = None,
     *,
@@ -250,8 +261,8 @@ WARM_PASSES = 8  # at most, per side
 
 
 async def _timed(
-    pipe: hcqa.Pipeline | hcqa.ProcessPipeline,
-    seq: hcqa.Pipeline,
+    pipe: Driven,
+    seq: Driven,
     xs: Sequence[F32],
     bar: Bar,
     warm: int,

@@ -1,4 +1,4 @@
-"""``hcqa demo``: an MLP split over two cpu devices as a two-stage Pipeline.
+"""``hcqa demo``: an MLP split over two cpu devices as a two-stage Pipeline (or a real model).
 
 Theory of operation
 -------------------
@@ -46,6 +46,11 @@ The trace goes to a file beside PATH and is renamed onto it once the run has fin
 run that fails keeps the previous trace; ``--device opencl`` checks for PyOpenCL and a device
 before it writes anything.
 :mod:`bench.bench_pipeline` reuses the building blocks here for its timed comparison.
+
+``--model squeezenet`` runs a real model instead (:mod:`hcqa.cli._model_demo`): the onnx wheel's
+SqueezeNet with seeded weights, cut over the two devices by ``models.pipeline`` and checked
+against onnxruntime. The verdict, the host facts and the kept trace are :mod:`hcqa.cli._report`'s,
+shared by both.
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -79,6 +83,21 @@ from hcqa.cli._mlp import (
     run_processes,
     run_threads,
     save_weights,
+)
+from hcqa.cli._model_demo import MODELS
+from hcqa.cli._report import (
+    MIN_SECONDS,
+    WARM_SECONDS,
+    check_opencl,
+    depends,
+    host_load,
+    kept_trace,
+    one_blas_thread,
+    partial_trace,
+    report_times,
+    trace_line,
+    trace_path_of,
+    verdict,
 )
 from hcqa.errors import install_hint
 
@@ -110,106 +129,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# the verdict
-
-MIN_SECONDS = 0.5  # per side: below this the timings are mostly fixed costs and noise
-WARM_SECONDS = 0.5  # per side, before timing (not in --quick runs)
-
-
-def verdict(
-    *,
-    t_pipe: float,
-    t_seq: float,
-    cores: int,
-    load: float | None,
-    blas_limited: bool,
-    processes: bool = False,
-    shared_device: str | None = None,
-) -> str:
-    """One line saying what the speedup means: too short to judge, a win, or why it lost.
-
-    ``shared_device``: the one device both stages ran on (``opencl:0`` named twice)."""
-    speedup = t_seq / t_pipe if t_pipe > 0 else float("inf")
-    if min(t_pipe, t_seq) < MIN_SECONDS:
-        return (
-            f"verdict: too short to judge ({t_pipe * 1e3:.0f} ms vs {t_seq * 1e3:.0f} ms, under "
-            f"{MIN_SECONDS} s a side: fixed costs and noise dominate); run without --quick or "
-            "with more --batches"
-        )
-    if speedup >= 1.0 and shared_device is not None:
-        return (
-            f"verdict: the pipeline did {speedup:.2f}x the 1-device throughput; both stages ran "
-            f"on one OpenCL device ({shared_device} named twice) and shared its compute units, "
-            "so about 1x is what to expect"
-        )
-    if speedup >= 1.0:
-        return (
-            f"verdict: the pipeline did {speedup:.2f}x the 1-device throughput (two equal "
-            "stages on two free cores can approach 2x)"
-        )
-    hop = "worker processes" if processes else "devices"
-    if shared_device is not None:
-        why = (
-            f"both stages ran on one OpenCL device ({shared_device} named twice), so they "
-            "shared its compute units and could not overlap; the run shows the two devices "
-            "agree with numpy, not a speedup"
-        )
-    elif cores < 2:
-        why = f"only {cores} core is available to this process, so the two stages cannot overlap"
-    elif not blas_limited:
-        why = (
-            f"BLAS threads are not limited ({install_hint('demo')}), so the 1-device run "
-            "already used several cores"
-        )
-    elif load is not None and load > cores:
-        why = (
-            f"the host was busy (1-minute load average {load:.1f} on {cores} cores at the start), "
-            "so the two stages competed with other work for the cores"
-        )
-    else:
-        why = (
-            f"handing each microbatch between {hop} cost more than the overlap saved at this "
-            "size; try a larger --batch-size or --hidden"
-        )
-    return f"verdict: the pipeline lost ({speedup:.2f}x): {why}"
-
-
-def depends(
-    *, cores: int, blas_limited: bool, load: float | None, shared_device: str | None = None
-) -> str:
-    """What the speedup depends on, with this run's values: free cores, BLAS threads, load.
-
-    ``shared_device``: the one OpenCL device both stages ran on, where BLAS has no part."""
-    busy = f"1-minute load average {load:.1f} at the start" if load is not None else "unknown"
-    if shared_device is not None:
-        return (
-            f"the figure depends on {shared_device}'s compute units, which both stages share, "
-            f"and the host's other load ({busy}); on a busy or shared host it varies from "
-            "run to run"
-        )
-    blas = "1 per device" if blas_limited else "not limited"
-    return (
-        f"the figure depends on free cores (the two stages need two: {cores} here), BLAS "
-        f"threads ({blas}) and the host's other load ({busy}); on a busy or shared host it "
-        "varies from run to run"
-    )
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _load() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
 # the command
 
 
@@ -232,6 +151,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--processes",
         action="store_true",
         help="run each stage in its own worker process (shared memory + signals)",
+    )
+    add(
+        "--model",
+        choices=MODELS,
+        help="run a real model instead of the MLP: squeezenet (the onnx wheel's SqueezeNet, "
+        "seeded weights) or gpt (a GPT-like decoder stack), cut over two devices by "
+        "models.pipeline and checked against onnxruntime "
+        f"({install_hint('models')})",
     )
     add("--no-progress", action="store_true", help="no progress bar (off anyway if not a tty)")
     add("--workdir", help="where to write the weights file (default: a temporary directory)")
@@ -274,68 +201,28 @@ def _spec(args: argparse.Namespace) -> MlpSpec:
     return spec
 
 
-def _one_blas_thread() -> tuple[Callable[[], contextlib.AbstractContextManager[object]], bool]:
-    """(a factory of contexts holding BLAS to one thread, whether they do).
-
-    A factory, not one context: threadpoolctl applies its limit when the object is made and
-    lifts it on the first exit, so entering the same object twice would run the second block
-    -- the check against numpy -- with BLAS unlimited, whose sums differ in the last bit.
-    threadpoolctl is the optional ``demo`` extra; without it BLAS keeps its own pool,
-    which competes with the devices for the cores, and the demo says so."""
-    try:
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-    except ImportError:
-        return contextlib.nullcontext, False
-    return lambda: threadpool_limits(1), True
-
-
-def _check_opencl() -> None:
-    """``--device opencl`` refused in one line before anything is written (the weights,
-    the trace) where PyOpenCL or an OpenCL device is missing."""
-    from hcqa.cli._base import CliError
-    from hcqa.devices.opencl import platforms
-
-    try:
-        devices = platforms.list_devices()
-    except platforms.OpenCLMissing as exc:
-        raise CliError(f"--device opencl needs PyOpenCL and an OpenCL driver: {exc}") from None
-    except Exception as exc:  # a broken driver install: its own words
-        raise CliError(f"--device opencl: listing the OpenCL devices failed: {exc}") from None
-    if not devices:
-        raise CliError(
-            f"--device opencl needs an OpenCL device (got none; {platforms.INSTALL_HINT} "
-            "brings PoCL, which runs on any CPU)"
-        )
-
-
-def _partial_trace(path: str) -> str:
-    """Where the run's trace is written before it is renamed onto ``path`` on success, so
-    a failed run never replaces the previous good trace (beside it: same file system)."""
-    hcqa.Tracer(path)  # refuses a path that can't be written, now
-    folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(folder, f".{name}.{os.getpid()}.partial")
-
-
 def run(args: argparse.Namespace) -> int:
     from hcqa.cli._console import progress
 
+    if args.model is not None:
+        from hcqa.cli._model_demo import run_model
+
+        return run_model(args)
     spec = _spec(args)
     opencl = args.device == "opencl"
     if opencl:
-        _check_opencl()
+        check_opencl()
     out = sys.stdout
     mib = 4 * spec.layers * (spec.hidden + 1) * spec.hidden / 2**20
     out.write(
         f"hcqa demo: {spec.layers}-layer MLP, hidden {spec.hidden}, float32, "
         f"{spec.batches} microbatches of {spec.batch_size} rows\n"
     )
-    trace_path = None
-    if not args.no_trace:
-        trace_path = args.trace or os.environ.get("HCQA_TRACE") or "hcqa-demo-trace.json"
-    partial = _partial_trace(trace_path) if trace_path else None
+    trace_path = trace_path_of(args)
+    partial = partial_trace(trace_path) if trace_path else None
     instruments: list[trio.abc.Instrument] = [hcqa.Tracer(partial)] if partial else []
     weights, xs = make_weights(spec), make_inputs(spec)
-    load_before = _load()  # the host's load before the demo adds its own
+    load_before = host_load()  # the host's load before the demo adds its own
     warm = min(spec.batches, 2 * args.depth)  # fills the pipeline, touches every slot
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="hcqa-"))
@@ -344,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         layout = save_weights(weights, path)
         out.write(f"  weights: {mib:.1f} MiB written to {path}, loaded with Buffer.load\n")
         out.flush()
-        blas, blas_limited = _one_blas_thread()
+        blas, blas_limited = one_blas_thread()
         steps = 2 * (warm + spec.batches)
         with blas(), progress("starting", steps, enabled=not args.no_progress) as bar:
             body = run_processes if args.processes else run_threads
@@ -353,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                 from hcqa.cli._mlp_opencl import run_opencl
 
                 body = run_opencl
-            try:
+            with kept_trace(partial, trace_path):
                 timed = trio.run(
                     body,
                     spec,
@@ -366,13 +253,6 @@ def run(args: argparse.Namespace) -> int:
                     warm_seconds,
                     instruments=instruments,
                 )
-            except BaseException:
-                if partial is not None:  # the previous trace at trace_path stays as it was
-                    with contextlib.suppress(OSError):
-                        os.unlink(partial)
-                raise
-            if partial is not None and trace_path is not None:
-                os.replace(partial, trace_path)
         half = spec.layers // 2
         where = ("worker 1", "worker 2") if args.processes else ("cpu:0", "cpu:1")
         blas_note = (
@@ -405,40 +285,20 @@ def run(args: argparse.Namespace) -> int:
         f"  check: {len(sample)} outputs vs numpy, max abs error {worst:.3g}; all "
         f"{spec.batches} vs the 1-device run: {'ok' if ok else 'WRONG'}\n"
     )
-    width = max(len(timed.pipe_label), len(timed.seq_label))
-    for name, secs in ((timed.pipe_label, timed.t_pipe), (timed.seq_label, timed.t_seq)):
-        out.write(f"  {name:<{width}}: {secs:7.3f} s  {spec.batches / secs:8.1f} microbatches/s\n")
-    first, second = timed.halves
-    out.write(
-        f"  speedup: {timed.t_seq / timed.t_pipe:.2f}x (sequential time / pipeline time; timed "
-        f"A B B A after a warm-up, halves {first:.2f}x and {second:.2f}x)\n"
-    )
-    shared = "opencl:0" if opencl else None
-    said = depends(
-        cores=_cores(), blas_limited=blas_limited, load=load_before, shared_device=shared
-    )
-    out.write(f"  {said}\n")
-    line = verdict(
-        t_pipe=timed.t_pipe,
-        t_seq=timed.t_seq,
-        cores=_cores(),
-        load=load_before,
+    report_times(
+        out,
+        timed,
+        spec.batches,
         blas_limited=blas_limited,
+        load=load_before,
         processes=args.processes,
-        shared_device=shared,
+        shared_device="opencl:0" if opencl else None,
     )
-    out.write(f"  {line}\n")
-    if trace_path is None:
-        out.write("  trace: not written (--no-trace)\n")
-    else:
-        note = (
-            " (the stages ran in worker processes, which this trace does not see; it holds "
-            "the 1-device run and this process's tasks)"
-            if args.processes
-            else ""
-        )
-        out.write(
-            f"  trace: {trace_path}{note}; read it with hcqa trace summary {trace_path}, "
-            "hcqa trace plot, or ui.perfetto.dev\n"
-        )
+    note = (
+        " (the stages ran in worker processes, which this trace does not see; it holds "
+        "the 1-device run and this process's tasks)"
+        if args.processes
+        else ""
+    )
+    out.write(trace_line(trace_path, note))
     return 0 if ok else 1

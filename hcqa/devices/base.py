@@ -57,6 +57,7 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import Engine, Executor, QueueActor, QueueStatistics
 from hcqa.actors import engine as _engine
+from hcqa.actors.actor import LOST
 from hcqa.devices.buffer import Buffer, hazard_waits
 from hcqa.devices.builder import QueueBuilder
 from hcqa.devices.capture import capturing as _capturing
@@ -375,14 +376,20 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         return 0
 
     async def synchronize(self) -> None:
-        """Wait until everything enqueued so far is done; raise the device's error if any."""
+        """Wait until everything enqueued so far is done; raise the device's error if any
+        (not a batch's that failed alone: its own fence raises that)."""
         if self._closed:
             await aio.checkpoint()
             raise DeviceClosed(f"{self.name} is closed")
         if self._error is not None:
             await aio.checkpoint()
             self._raise_error()
-        await self._timeline.fence(self._timeline.reserved).wait()
+        fence = self._timeline.fence(self._timeline.reserved)
+        try:
+            await fence.wait()
+        except DeviceClosed as exc:  # the last batch failed alone: done, not the device's
+            if fence.signal._failed.get(fence.value) is not exc:
+                raise
         if self._error is not None:
             self._raise_error()
 
@@ -433,6 +440,8 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
                 f"{actor.name} queue is full ({actor.capacity} batches pending): "
                 "await submit_async() / the fences to apply backpressure"
             )
+        if LOST:  # a failed batch left data unwritten (rare: see QueueActor._fail)
+            _check_lost(reads, writes)
         batch: list[Any] = hazard_waits(actor, reads, writes)
         inline = (
             not batch  # no hazard to wait for
@@ -473,3 +482,16 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
             foreign = other._timeline
             batch.append(_step_command(foreign, foreign.reserve_foreign(), None))
         return seq
+
+
+def _check_lost(reads: Iterable[Buffer], writes: Iterable[Buffer]) -> None:
+    """Refuse a batch that reads what a failed batch was to write (its error, before
+    anything is queued); one that writes it makes it valid again."""
+    for b in reads:
+        cause = LOST.get(b._hazards)
+        if cause is not None:
+            error = DeviceClosed(f"{b!r} holds no valid data: {cause}")
+            error.__cause__ = cause
+            raise error
+    for b in writes:
+        LOST.pop(b._hazards, None)

@@ -22,9 +22,12 @@ unmaps cached blocks, least recently freed first, until the new one fits, and ra
 :class:`BumpAllocator` hands out kernel-argument space: a pointer that only moves forward and wraps
 to the start of the region, trusting the timeline to have retired what it overwrites.
 
-:class:`StagingRing` is the round-robin ring of host chunks (32 x 2 MiB by default) through which
+:class:`StagingRing` is the round-robin ring of host chunks (4 x 2 MiB by default) through which
 copies reach a device whose memory the host can't address. Each chunk remembers the timeline value
-that retires its last use; a writer must wait for that value before filling the chunk again.
+that retires its last use; a writer must wait for that value before filling the chunk again. The
+ring is small on purpose: a chunk is written by one thread and read at once by another, and a
+ring that stays in the caches makes that second copy nearly free, where one as long as the copy
+(32 x 2 MiB was) sends every byte through memory twice (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _T = TypeVar("_T")
 _HUGE = 2 << 20
 _POW2_ABOVE = 1 << 20
+# The staging ring's default shape: 8 MiB that stay in the caches (see the module doc).
+STAGING_CHUNKS = 4
+STAGING_CHUNK_SIZE = 2 << 20
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -426,7 +432,9 @@ class StagingStatistics:
 class StagingRing:
     """Round-robin ring of host chunks for copies to and from device-only memory."""
 
-    def __init__(self, *, chunks: int = 32, chunk_size: int = 2 << 20, name: str) -> None:
+    def __init__(
+        self, *, chunks: int = STAGING_CHUNKS, chunk_size: int = STAGING_CHUNK_SIZE, name: str
+    ) -> None:
         self.chunks = _check_int("chunks", chunks, 1)
         self.chunk_size = _check_int("chunk_size", chunk_size, 1)
         self.name = name

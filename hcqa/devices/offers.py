@@ -41,9 +41,9 @@ class FastPaths:
     # Exec's ready native call directly.
     native_runner: ClassVar[bool] = False
     # True where what the executor caches on an Exec (``Exec.native``) describes the call
-    # alone and holds no memory (the cpu lane's records): a program's launch record then
-    # hands it to its repeat calls (``launch._Launch``), which a record keeping memory
-    # objects alive must not.
+    # alone and keeps no memory alive (the cpu lane's records; OpenCL's, whose memory objects
+    # are released explicitly): a program's launch record then hands it to its repeat calls
+    # (``launch._Launch``), which a record keeping memory alive must not.
     shares_native: ClassVar[bool] = False
     # True where the driver can keep some Waits itself (``_driver_wait``): the queue actors
     # then ask before they await one on the host.

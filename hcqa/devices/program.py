@@ -294,12 +294,7 @@ class Program:
                     f"{self.name!r} val {i} must be an int (got {type(v).__name__})"
                 )
         if self.kernel is not None:
-            if len(bufs) != self.n_buffers or len(vals) != self.n_vals:
-                raise InvalidCommand(
-                    f"{self.name!r} takes {self.n_buffers} buffers and "
-                    f"{self.n_vals} vals (got {len(bufs)} buffers and {len(vals)} vals)"
-                )
-            self.check_vals(vals)
+            self._check_arity(bufs, vals)
         elif self._n_args is not None and len(bufs) + len(vals) != self._n_args:
             raise InvalidCommand(
                 f"{self.name!r} takes {self._n_args} arguments (buffers then vals) "
@@ -340,6 +335,17 @@ class Program:
                         f"{self.name!r} geometry parameter {pname!r} must be in [{lo}, {hi}] "
                         f"(got {v})"
                     )
+
+    def _check_arity(self, bufs: Sequence[object], vals: Sequence[object]) -> None:
+        """Refuse a call whose buffer or val count is not the kernel's (``n_buffers``,
+        ``n_vals``), then concrete vals out of their C types' range (``check_vals``): the
+        C kernel's check here, and each driver backend's after the core ``validate``."""
+        if len(bufs) != self.n_buffers or len(vals) != self.n_vals:
+            raise InvalidCommand(
+                f"{self.name!r} takes {self.n_buffers} buffers and "
+                f"{self.n_vals} vals (got {len(bufs)} buffers and {len(vals)} vals)"
+            )
+        self.check_vals(vals)
 
     def check_buffers(self, bufs: Sequence[Buffer]) -> None:
         """Refuse buffers this kernel can't take as arguments (a backend's rule: an OpenCL

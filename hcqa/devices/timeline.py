@@ -113,7 +113,9 @@ class Timeline:
     def reserve(self) -> int:
         seq = self.reserved + 1
         if seq > WRAP and _value(seq) == 1:
-            self.signals[_epoch(seq) % 2].value = 0
+            shadow = self.signals[_epoch(seq) % 2]
+            shadow.value = 0
+            shadow._failed.clear()
         self.reserved = seq
         return seq
 
@@ -131,6 +133,11 @@ class Timeline:
         else:
             signal, value = self.signals[_epoch(seq) % 2], _value(seq)
         return _fence(signal, value, self._hang_limit, self._context, self._owner)
+
+    def fail(self, seq: int, exc: BaseException) -> None:
+        """Step ``seq``'s batch failed alone (its work was not run): its fence raises
+        ``exc`` once reached; the step still completes (the timeline goes on)."""
+        self.signals[_epoch(seq) % 2]._fail_value(_value(seq), exc)
 
     def give_back_foreign(self, seq: int) -> None:
         """Undo :meth:`take_foreign` (a record that was never queued)."""

@@ -37,13 +37,23 @@ from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import TensorSpec
 from hcqa.models.model import Model, ModelStatistics, build
 from hcqa.models.onnx import load_onnx
+from hcqa.models.pipelined import (
+    ModelPipeline,
+    ModelPipelineStatistics,
+    PipelineStage,
+    pipeline,
+)
 
 __all__ = [
     "Model",
+    "ModelPipeline",
+    "ModelPipelineStatistics",
     "ModelStatistics",
+    "PipelineStage",
     "TensorSpec",
     "from_tinygrad",
     "load_onnx",
+    "pipeline",
     "tinygrad_device",
 ]
 

@@ -63,7 +63,7 @@ _toolchain.ensure_opencl(required=False)  # before tinygrad probes its devices
 from tinygrad import Context, Tensor, TinyJit  # noqa: E402
 from tinygrad import Variable as TgVariable  # noqa: E402
 from tinygrad import helpers as tg_helpers  # noqa: E402
-from tinygrad.engine.realize import get_call_arg_uops, get_call_var_uops  # noqa: E402
+from tinygrad.engine.realize import estimate_uop, get_call_arg_uops, get_call_var_uops  # noqa: E402
 from tinygrad.uop.ops import Ops  # noqa: E402
 
 __all__ = [
@@ -126,6 +126,16 @@ def _sym(u: Any, names: Mapping[str, tuple[int, int]], where: str) -> Sym:
     raise InvalidCommand(
         f"{where}: symbolic size {u.op.name} can't become an hcqa expression (+ - * // only)"
     )
+
+
+def _bound(x: Any) -> int:
+    """An estimate as an int: a symbolic one (over Variables) at its upper bound."""
+    if isinstance(x, int):
+        return max(x, 0)
+    try:
+        return max(int(x.vmax), 0)
+    except Exception:
+        return 0
 
 
 class _Reader:
@@ -200,6 +210,7 @@ class _Reader:
                     raise InvalidCommand(f"{where}: a symbolic core count (got {gs[0]})")
                 launches = gs[0]
             gs = ls = (1, 1, 1)
+        est = estimate_uop(call)
         return Kernel(
             name=info.function_name,
             entry=info.function_name,
@@ -212,6 +223,8 @@ class _Reader:
             local_size=ls,
             core_id=core_id,
             launches=launches,
+            ops=_bound(est.ops),
+            mem=_bound(est.mem),
         )
 
     def bases(self) -> tuple[Base, ...]:

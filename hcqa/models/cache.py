@@ -117,7 +117,7 @@ def store(key: str, lifted: Lifted) -> None:
             "writes": list(k.writes), "reads": list(k.reads),
             "global_size": [_sym_out(g) for g in k.global_size],
             "local_size": [_sym_out(x) for x in k.local_size],
-            "core_id": k.core_id, "launches": k.launches,
+            "core_id": k.core_id, "launches": k.launches, "ops": k.ops, "mem": k.mem,
         }
         for k in lifted.kernels
     ]  # fmt: skip
@@ -181,6 +181,7 @@ def load(key: str) -> Lifted | None:
                 local_size=tuple(_sym_in(x) for x in k["local_size"]),
                 core_id=None if k["core_id"] is None else int(k["core_id"]),
                 launches=int(k["launches"]),
+                ops=int(k.get("ops", 0)), mem=int(k.get("mem", 0)),
             )
             for k in h["kernels"]
         )  # fmt: skip

@@ -11,7 +11,9 @@ front end's objects, so the reader stays the one module that knows tinygrad's in
 * An :class:`Arg` is a kernel's buffer argument: a byte range of a base, with its dtype.
 * A :class:`Kernel` is one program and its launches: source, entry, flags, geometry and vals,
   each a :data:`Sym` -- an int, a Variable's name, or ``(op, lhs, rhs)`` with op one of
-  ``+ - * //`` -- and ``core_id``, the position of a val that counts ``0 .. launches-1``.
+  ``+ - * //`` -- and ``core_id``, the position of a val that counts ``0 .. launches-1``;
+  ``ops`` and ``mem`` are the front end's own cost estimates for all its launches (operations,
+  and bytes of memory touched once), which :func:`hcqa.models.pipeline` balances stages by.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Kernel:
     local_size: tuple[Sym, ...] = (1, 1, 1)
     core_id: int | None = None
     launches: int = 1
+    ops: int = 0  # the front end's estimate of the operations of all launches
+    mem: int = 0  # and of the bytes they touch (each byte once)
 
 
 @attrs.frozen(kw_only=True)

@@ -34,11 +34,13 @@ from hcqa.devices import Buffer, Device, Program
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
 from hcqa.models import _toolchain
-from hcqa.models.lifted import Arg, Lifted, Sym, TensorSpec
+from hcqa.models.lifted import Arg, Kernel, Lifted, Sym, TensorSpec
 from hcqa.signals import Fence
 from hcqa.variables import IntLike, Variable
 
-__all__ = ["Bucket", "Model", "ModelStatistics", "build"]
+__all__ = [
+    "Bucket", "Model", "ModelStatistics", "build", "build_programs", "launch", "program_key",
+]  # fmt: skip
 
 
 @attrs.frozen
@@ -70,6 +72,7 @@ class Bucket:
     scratch_bytes: int
     buffers: list[Buffer]
     failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
+    lifted: Lifted | None = None  # what it was built from (None: an opaque kernel)
 
 
 def _expr(s: Sym, variables: dict[str, Variable]) -> IntLike:
@@ -94,6 +97,45 @@ def _fixed(spec: TensorSpec) -> tuple[int, ...]:
     if any(d is None for d in spec.shape):
         raise InvalidCommand(f"{spec.name}: a lifted tensor needs a fixed shape (got {spec.shape})")
     return tuple(int(d) for d in spec.shape if d is not None)
+
+
+ProgramKey = tuple[str, str, tuple[int, ...], tuple[int, ...]]
+
+
+def program_key(k: Kernel) -> ProgramKey:
+    """Kernels that share this share one program (names are not unique: keyed by source)."""
+    return (k.source, k.entry, k.writes, k.reads)
+
+
+async def build_programs(
+    device: Device, lifted: Lifted, kernels: Sequence[Kernel]
+) -> dict[ProgramKey, Program]:
+    """One program on ``device`` per distinct kernel of ``kernels``, with the front end's flags
+    (built off the event loop)."""
+    programs: dict[ProgramKey, Program] = {}
+    # tinygrad's C needs the clang it was rendered for: $CC set around these builds only
+    compiler = _toolchain.clang_env() if lifted.language == "c" else contextlib.nullcontext()
+    with compiler:
+        for k in kernels:
+            key = program_key(k)
+            if key not in programs:
+                programs[key] = await device.program_async(
+                    k.name, k.source, entry=k.entry, writes=k.writes, reads=k.reads,
+                    flags=lifted.flags,
+                )  # fmt: skip
+    return programs
+
+
+def launch(k: Kernel, prog: Program, args: Sequence[Buffer], variables: dict[str, Variable]) -> int:
+    """Enqueue ``k`` (once per core when it counts ``core_id``); returns the launches made."""
+    gs = tuple(_expr(g, variables) for g in k.global_size)
+    ls = tuple(_expr(x, variables) for x in k.local_size)
+    vals = [_expr(v, variables) for v in k.vals]
+    for core in range(k.launches):
+        if k.core_id is not None:
+            vals[k.core_id] = core
+        prog(*args, vals=tuple(vals), global_size=gs, local_size=ls)
+    return k.launches
 
 
 async def build(
@@ -132,21 +174,7 @@ async def build(
             got = views[arg] = base.view(arg.offset, arg.nbytes, dtype=arg.dtype, shape=(n,))
         return got
 
-    programs: dict[tuple[str, str, tuple[int, ...], tuple[int, ...]], Program] = {}
-    # tinygrad's C needs the clang it was rendered for: $CC set around these builds only
-    compiler = _toolchain.clang_env() if lifted.language == "c" else contextlib.nullcontext()
-    with compiler:
-        for k in lifted.kernels:
-            key = (k.source, k.entry, k.writes, k.reads)
-            if key not in programs:
-                programs[key] = await device.program_async(
-                    k.name,
-                    k.source,
-                    entry=k.entry,
-                    writes=k.writes,
-                    reads=k.reads,
-                    flags=lifted.flags,
-                )
+    programs = await build_programs(device, lifted, lifted.kernels)
     host_in = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.inputs)
     host_out = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.outputs)
     launches = 0
@@ -154,16 +182,7 @@ async def build(
         for (_, arg), host in zip(lifted.inputs, host_in, strict=True):
             view(arg).copyin(host.reshape(-1))
         for k in lifted.kernels:
-            prog = programs[(k.source, k.entry, k.writes, k.reads)]
-            args = [view(a) for a in k.args]
-            gs = tuple(_expr(g, variables) for g in k.global_size)
-            ls = tuple(_expr(x, variables) for x in k.local_size)
-            vals = [_expr(v, variables) for v in k.vals]
-            for core in range(k.launches):
-                if k.core_id is not None:
-                    vals[k.core_id] = core
-                prog(*args, vals=tuple(vals), global_size=gs, local_size=ls)
-                launches += 1
+            launches += launch(k, programs[program_key(k)], [view(a) for a in k.args], variables)
         for (_, arg), host in zip(lifted.outputs, host_out, strict=True):
             view(arg).copyout(host.reshape(-1))
     return Bucket(
@@ -176,6 +195,7 @@ async def build(
         weight_bytes=weight_bytes,
         scratch_bytes=scratch_bytes,
         buffers=bufs,
+        lifted=lifted,
     )
 
 

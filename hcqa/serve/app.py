@@ -47,6 +47,7 @@ from hcqa.serve.inputs import Shape, from_json, from_raw
 from hcqa.serve.metrics import ENDPOINTS, Measured, State
 from hcqa.serve.tensors import TensorSpec
 from hcqa.serve.v2 import V2, cancel_on_disconnect
+from hcqa.trace import serving
 
 __all__ = ["make_app"]
 
@@ -139,6 +140,16 @@ class _Endpoints:
         return Response(generate_latest(self.st.registry), media_type=METRICS_TYPE)
 
     async def infer(self, request: Request) -> Response:
+        tracer = serving.active()
+        if tracer is None:
+            return await self._timed(request)
+        name = self.st.first.name
+        with serving.request(tracer, f"POST /infer (model {name})", name) as args:
+            response = await self._timed(request)
+            args["status"] = response.status_code
+            return response
+
+    async def _timed(self, request: Request) -> Response:
         st = self.st
         t0 = time.perf_counter()
         try:

@@ -279,6 +279,7 @@ class Hosted:
             sample_shape=pack.row_shape,
             dtype=pack.row_dtype,
             depth=target.depth,
+            name=self.name,
         )
 
     def _wake_waiters(self) -> None:

@@ -63,6 +63,7 @@ from hcqa.serve.tensors import (
     encode_response,
     parse_request,
 )
+from hcqa.trace import serving
 
 __all__ = ["NAME_PATTERN", "V2", "Model", "cancel_on_disconnect"]
 
@@ -253,6 +254,15 @@ class V2:
         m = self._lookup(request)
         if isinstance(m, Response):
             return m
+        tracer = serving.active()
+        if tracer is None:
+            return await self._infer(request, m)
+        with serving.request(tracer, f"POST /v2/models/{m.name}/infer", m.name) as args:
+            response = await self._infer(request, m)
+            args["status"] = response.status_code
+            return response
+
+    async def _infer(self, request: Request, m: Hosted) -> Response:
         st = self.state
         try:
             body = await read_body(request, st)  # 413, 408; ClientGone

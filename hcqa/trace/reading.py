@@ -14,9 +14,9 @@ Tracks are ``(pid, tid)`` pairs named by the ``process_name`` / ``thread_name`` 
 trio process (the one named ``"trio"``, else pid 1) holds a track per task, every other
 process is a device with a track per queue.
 
-:func:`_view` sorts a checked document into those tracks (device ranges and trio task steps)
-and the program's regions; the helpers below it (busy time of overlapping ranges, clipping
-to a window, readable task labels) serve both readers.
+:func:`_view` sorts a checked document into those tracks (device ranges and trio task steps),
+the program's regions and a served model's requests and batches; the helpers below it (busy
+time of overlapping ranges, clipping to a window, readable task labels) serve both readers.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = ["REGION", "TraceFormatError", "check", "load"]
 Event = dict[str, Any]
 Track = tuple[int, int]
 REGION = "region"  # the category of a region's range (Tracer.region)
+SERVE = "serve"  # the category of a served request's or batch's range (trace/serving.py)
 
 
 class TraceFormatError(HcqaError, ValueError):
@@ -126,6 +127,7 @@ class _View:
     ranges: list[Event]  # device ranges and trio task steps
     trio_pid: int
     regions: list[Event] = attrs.field(factory=list)  # cat "region": the program's phases
+    serving: list[Event] = attrs.field(factory=list)  # cat "serve": requests and batches
 
     @property
     def device(self) -> list[Event]:
@@ -153,12 +155,20 @@ def _view(doc: Mapping[str, Any]) -> _View:
         elif e["ph"] == "M" and e.get("name") == "thread_name":
             threads[e["pid"], e.get("tid", 0)] = e["args"]["name"]
     trio_pid = next((p for p, n in procs.items() if n == "trio"), 1)
-    ranges = [e for e in events if e["ph"] == "X" and e.get("cat") != REGION]
+    ranges = [e for e in events if e["ph"] == "X" and e.get("cat") not in (REGION, SERVE)]
     regions = sorted(
         (e for e in events if e["ph"] == "X" and e.get("cat") == REGION),
         key=lambda e: (e["ts"], -e["dur"]),
     )
-    return _View(procs=procs, threads=threads, ranges=ranges, trio_pid=trio_pid, regions=regions)
+    serving = [e for e in events if e["ph"] == "X" and e.get("cat") == SERVE]
+    return _View(
+        procs=procs,
+        threads=threads,
+        ranges=ranges,
+        trio_pid=trio_pid,
+        regions=regions,
+        serving=serving,
+    )
 
 
 def _busy(ranges: Sequence[tuple[float, float]]) -> float:

@@ -41,6 +41,7 @@ summary|plot``);
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -59,12 +60,15 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.errors import InvalidCommand
+from hcqa.trace import serving
 
 __all__ = ["TRIO_PID", "Tracer", "instruments_from_env", "region"]
 
 _now = time.monotonic_ns
 _BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step, cmd.Bind})
 _PRODUCED_CAP = 4096  # remembered (signal, value) -> producer range entries
+_SUBMITTED_CAP = 256  # submissions from a served request or batch not yet run, per queue
+_SCAN = 16  # of those, how many a run is matched against
 TRIO_PID = 1  # not 0: Perfetto treats pid 0 as the kernel's swapper
 Span = tuple[int, int, int, int]  # pid, tid, t0 ns, t1 ns
 
@@ -72,7 +76,10 @@ Span = tuple[int, int, int, int]  # pid, tid, t0 ns, t1 ns
 class _Track:
     """One engine's track and state (``last``, ``pending``: touched by its thread only)."""
 
-    __slots__ = ("base", "cap", "events", "last", "pending", "pid", "table", "tid", "tracer")
+    __slots__ = (
+        *("base", "cap", "events", "fed", "last", "pending", "pid", "submitted", "table", "tag"),
+        *("tid", "tracer"),
+    )
 
     def __init__(self, tracer: Tracer, pid: int, tid: int) -> None:
         self.tracer, self.pid, self.tid = tracer, pid, tid
@@ -81,6 +88,13 @@ class _Track:
         self.pending: list[Span] | None = None  # producers of flows into the next range
         self.base: dict[type, _engine.Handler] | None = None  # the engine's handler table
         self.table: dict[type, _engine.Handler] = {}  # ... with each handler wrapped in record
+        # served work (trace/serving.py): (first command, source point, tag) per submission;
+        # the source of a flow into the run's first range, and the run's ranges' args
+        self.submitted: collections.deque[tuple[Any, tuple[int, int, int], Any]] = (
+            collections.deque()
+        )
+        self.fed: tuple[int, int, int] | None = None
+        self.tag: dict[str, Any] | None = None
 
     def record(self, handler: _engine.Handler, command: Any) -> None:
         kind = type(command)
@@ -98,7 +112,7 @@ class _Track:
         t1 = _now()
         if self.pending is None and kind is cmd.Exec and not command.vals:  # the common case
             name = command.program.name
-            self.last = ev = ("X", self.pid, self.tid, t0, t1 - t0, name, "device", None)
+            self.last = ev = ("X", self.pid, self.tid, t0, t1 - t0, name, "device", self.tag)
             if len(self.events) < self.cap:
                 self.events.append(ev)
             else:
@@ -135,6 +149,8 @@ class Tracer(trio.abc.Instrument):
         self._step_t0 = 0
         self._exiting: trio.lowlevel.Task | None = None
         self._regions_tid = 0  # the "regions" track, made on the first region
+        self._renamed: dict[tuple[int, int], str] = {}  # tracks named anew (a served task)
+        self.server = serving.ServerTracks(self, TRIO_PID)  # requests and batches
 
     def start(self) -> None:
         """Start recording device activity (called by the trio hooks)."""
@@ -178,6 +194,7 @@ class Tracer(trio.abc.Instrument):
 
     def task_exited(self, task: trio.lowlevel.Task) -> None:
         self._instant(task, "exited")
+        self.server.task_exited(task)
         self._exiting = task  # trio calls after_task_step for its last step after this
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
@@ -232,6 +249,26 @@ class Tracer(trio.abc.Instrument):
             self._threads.append((TRIO_PID, *entry))
         return entry
 
+    def _new_track(self, pid: int, name: str) -> int:
+        """A new track called ``name`` in process ``pid``; its tid."""
+        with self._lock:
+            tid = next(self._tids)
+            self._threads.append((pid, tid, name))
+            return tid
+
+    def _rename(self, task: trio.lowlevel.Task, label: str) -> None:
+        """Call ``task``'s track ``label`` from now on (and in the file)."""
+        tid, _ = self._task(task)
+        self._tasks[task] = (tid, label)
+        self._renamed[TRIO_PID, tid] = label
+
+    def _add(self, events: list[tuple[Any, ...]]) -> None:
+        if self._room(len(events)):
+            self._events.extend(events)
+
+    def _flow_id(self) -> int:
+        return next(self._flow_ids)
+
     def _room(self, n: int) -> bool:
         if len(self._events) + n <= self.max_events:
             return True
@@ -246,9 +283,42 @@ class Tracer(trio.abc.Instrument):
             with self._lock:
                 entry = self._flows.pop(id(run), None)
         track.pending = entry[1] if entry is not None and entry[0] is run else None
+        track.fed = track.tag = None
+        if track.submitted:
+            self._served_run(track, run)
         if track.base is not table:
             track.base, track.table = table, {k: partial(track.record, h) for k, h in table.items()}
         return track.table
+
+    def sent(self, engine: Any, commands: list[Any]) -> None:
+        """A queue actor was handed ``commands``: from a served request or batch, note it."""
+        src = serving.source.get()
+        if src is None:
+            return
+        marker = next((c for c in commands if type(c) is not cmd.Wait), None)
+        if marker is None:
+            return
+        track = self._engines.get(engine) or self._track(engine)
+        with self._lock:
+            q = track.submitted
+            q.append((marker, (src.pid, src.tid, _now()), src.tag))
+            if len(q) > _SUBMITTED_CAP:
+                q.popleft()
+
+    def _served_run(self, track: _Track, run: Any) -> None:
+        """``run`` holds a served submission's first command: its source and tag."""
+        if type(run) is not list:
+            return
+        with self._lock:
+            q = track.submitted
+            for i, (marker, fed, tag) in enumerate(itertools.islice(q, _SCAN)):
+                if any(c is marker for c in run):
+                    for _ in range(i + 1):  # earlier ones never ran (a fault dropped them)
+                        q.popleft()
+                    track.fed, track.tag = fed, tag
+                    if track.pending is None:
+                        track.pending = []  # off the fast path: _range draws the flow
+                    return
 
     def waited(self, engine: Any, signal: Any, value: int, run: list[Any]) -> None:
         """A queue actor awaited ``signal >= value``; its next commands go to ``run``."""
@@ -284,12 +354,20 @@ class Tracer(trio.abc.Instrument):
         name, args = self._describe(command)
         if error is not None:
             args = {**(args or {}), "error": error}
+        if track.tag is not None:
+            args = {**track.tag, **(args or {})}
         track.last = ev = ("X", track.pid, track.tid, t0, t1 - t0, name, "device", args)
         new: list[tuple[Any, ...]] = [ev]
         for src in track.pending or ():
             fid = next(self._flow_ids)
             new.append(("s", src[0], src[1], (src[2] + src[3]) // 2, fid, "wait", "device", None))
             new.append(("f", track.pid, track.tid, (t0 + t1) // 2, fid, "wait", "device", None))
+        fed = track.fed
+        if fed is not None:  # a served request or batch submitted this run
+            fid = next(self._flow_ids)
+            new.append(("s", fed[0], fed[1], fed[2], fid, "submit", serving.SERVE, None))
+            new.append(("f", track.pid, track.tid, (t0 + t1) // 2, fid, "submit", "serve", None))
+            track.fed = None
         track.pending = None
         if self._room(len(new)):
             self._events.extend(new)
@@ -328,6 +406,9 @@ class Tracer(trio.abc.Instrument):
             {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
             for pid, tid, name in list(self._threads)
         ]
+        for m in out:  # a track named anew keeps its one name event, with its last name
+            if m["name"] == "thread_name" and (m["pid"], m["tid"]) in self._renamed:
+                m["args"] = {"name": self._renamed[m["pid"], m["tid"]]}
         origin = self._origin
         extra = {"X": "dur", "i": "s", "s": "id", "f": "id"}
         for ph, pid, tid, t, x, name, cat, args in events:

@@ -28,7 +28,9 @@ stays one native call. Buffer addresses are listed as well (``refs``), so a repl
 buffers rebinds them the same way. ``RunC`` is the cpu backend's
 :class:`~hcqa.devices.fusion.FusedRun`: a graph replay or a queue's submit asks for it
 through that interface, and :class:`~hcqa.devices.cpu.CpuDevice` makes it
-(``_fusable``, ``_fuse``: the fusion seam).
+(``_fusable``, ``_fuse``: the fusion seam). Graph captures and queue submits both ask
+for the generic runner (``at_submit``): they happen on the event loop's thread, where the
+compile of a generated ``hcqa_run`` would block it.
 """
 
 from __future__ import annotations

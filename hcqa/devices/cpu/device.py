@@ -13,7 +13,7 @@ The copy engine moves bytes with ``ctypes.memmove`` (GIL released) and reads
 files with ``os.preadv`` straight into device memory. With
 ``host_visible=False`` the device pretends the host cannot address its memory,
 as a discrete GPU's: host copies and file loads then go through the staging
-ring (32 x 2 MiB) in chunks, exactly the path a real device takes, while
+ring (4 x 2 MiB) in chunks, exactly the path a real device takes, while
 device-to-device copies stay direct.
 
 A direct copy of at most ``INLINE_COPY_MAX`` (1 MiB) bytes, alone in its batch, on

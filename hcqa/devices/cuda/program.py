@@ -283,12 +283,7 @@ class CuProgram(Program):
         local_size: object,
     ) -> cmd.Exec:
         exec_ = super().validate(bufs, vals, global_size, local_size)
-        if len(exec_.buffers) != self.n_buffers or len(exec_.vals) != self.n_vals:
-            raise InvalidCommand(
-                f"{self.name!r} takes {self.n_buffers} buffers and {self.n_vals} vals "
-                f"(got {len(exec_.buffers)} buffers and {len(exec_.vals)} vals)"
-            )
-        self.check_vals(exec_.vals)
+        self._check_arity(exec_.buffers, exec_.vals)
         return exec_
 
     def record(self, c: cmd.Exec) -> tuple[Any, ...]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Any
 
+from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.devices.nativestores import NativeStores
 from hcqa.devices.opencl import runtime, waits
@@ -29,7 +30,7 @@ from hcqa.errors import DeviceFault
 if TYPE_CHECKING:
     from hcqa.devices.opencl.waits import Gate
 
-__all__ = ["Completion", "Segment"]
+__all__ = ["Completion", "Segment", "describe"]
 
 
 class Segment:
@@ -40,14 +41,14 @@ class Segment:
         "what", "words",
     )  # fmt: skip
 
-    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: str):
+    def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: Any):
         self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
         self.flows: Any = None  # a tracer's flow sources into this segment's first range
         self.event = event
         # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
         self.books = books
         self.keep = keep  # commands and host objects the driver may still touch
-        self.what = what
+        self.what = what  # a description, or the command to describe if it fails
         self.words: Any = None
         self.address = 0
         self.foreign: tuple[Any, int] | None = None  # (timeline, seq) the callback completes
@@ -115,8 +116,8 @@ class Completion(NativeStores):
         fault = waits.producers_fault(self, seg.gates)  # type: ignore[arg-type]
         if fault is None:
             fault = DeviceFault(
-                f"{self.device.name}: {seg.what} failed on the {self.kind} queue: the OpenCL "
-                f"driver reported execution status {status} for it",
+                f"{self.device.name}: {describe(seg.what)} failed on the {self.kind} queue: "
+                f"the OpenCL driver reported execution status {status} for it",
                 device=self.device.name,
                 queue=self.kind,
             )
@@ -129,3 +130,14 @@ class Completion(NativeStores):
         if seg.foreign is not None and not called_back:  # the other device may close
             tl, seq = seg.foreign
             tl._native.tl_complete(tl.c_address, seq, 1)
+
+
+def describe(c: Any) -> str:
+    """What a failed segment's commands are, for its fault (a description passes as is)."""
+    if type(c) is str:
+        return c
+    if type(c) is cmd.Exec:
+        return f"program {c.program.name!r}"
+    if type(c) is cmd.Copy:
+        return f"copy of {c.nbytes} bytes"
+    return f"load of {c.path!r}"

@@ -65,6 +65,10 @@ class OpenCLDevice(Device):
     kind = "opencl"
     host_memory = False  # buffers are driver memory: the host can't address them
     driver_waits = True  # a Wait on an OpenCL queue of the same context: event wait lists
+    # A launch record (kernel, NDRange, arguments) passed on to a program's repeat calls: its
+    # memory objects keep no memory alive (a block is released explicitly when the pool
+    # evicts it or the device closes; a record matches only while its buffers live).
+    shares_native = True
 
     def __init__(self, name: str, **options: Any) -> None:
         index = int(name.partition(":")[2].partition("#")[0])  # "opencl:0", "opencl:0#2"

@@ -1,0 +1,89 @@
+"""The lean enqueue of an OpenCL queue (``ClExecutor._lean``): a lone launch or copy with its
+queue signal and timeline step, and the launch record a program's repeat calls share.
+
+What the lean path must keep of the general one: a driver refusal at enqueue faults the device
+with the driver's error as its cause, and a transfer's step on the other device still
+completes (that device closes at once); a shared launch record never launches on memory the
+call did not pass (a freed buffer's block reused by a new buffer, a view's sub-buffer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from _kinds import opencl_missing
+
+import hcqa
+
+INC = "__kernel void inc(__global int *y) { y[get_global_id(0)] += 1; }"
+
+
+@pytest.fixture(autouse=True)
+def _opencl() -> None:
+    why = opencl_missing()
+    if why is not None:
+        pytest.skip(why)
+
+
+async def test_a_transfer_refused_at_enqueue_faults_and_lets_the_source_close() -> None:
+    import pyopencl as cl
+
+    n = 1024
+    t0 = time.monotonic()
+    async with hcqa.open_device("opencl:0", hang_limit=5.0) as dst:
+        y = dst.alloc(n)
+        async with hcqa.open_device("opencl:0", hang_limit=5.0) as src:
+            x = src.alloc(n)
+            await x.copyin(np.ones(n, np.uint8))
+            ex: Any = dst.copy.engine
+
+            def refuse(*args: Any) -> Any:
+                raise cl.Error("clEnqueueCopyBuffer failed: OUT_OF_RESOURCES")
+
+            ex._copy = refuse
+            fence = hcqa.transfer(y, x)
+            with pytest.raises(hcqa.DeviceFault) as info:
+                await fence
+            assert isinstance(info.value.__cause__, cl.Error)
+            tl = src._timeline
+            with trio.fail_after(2):  # the source's step in the transfer was completed
+                await tl.foreign_done.wait(tl.foreign_reserved)
+        assert not src._hung
+    assert time.monotonic() - t0 < 4.0  # nothing waited out a hang limit
+
+
+async def test_repeat_calls_share_the_launch_record_and_never_use_stale_memory() -> None:
+    async with hcqa.open_device("opencl:0") as g:
+        k = g.program("inc", INC)
+        a = g.alloc(shape=(4,), dtype="int32")
+        await a.copyin(np.zeros(4, np.int32))
+        for _ in range(3):
+            await k(a, global_size=(4, 1, 1))
+        assert k._launch is not None and k._launch.native is not None  # shared by repeats
+        out = np.zeros(4, np.int32)
+        await a.copyout(out)
+        np.testing.assert_array_equal(out, [3, 3, 3, 3])
+        a.free()
+        b = g.alloc(shape=(4,), dtype="int32")  # likely a's block, from the pool
+        await b.copyin(np.full(4, 10, np.int32))
+        await k(b, global_size=(4, 1, 1))
+        await b.copyout(out)
+        np.testing.assert_array_equal(out, [11, 11, 11, 11])
+        align = g._align // 4  # ints per base-address alignment (views start there)
+        whole = g.alloc(shape=(2 * align,), dtype="int32")
+        await whole.copyin(np.zeros(2 * align, np.int32))
+        views = [whole.view(i * align * 4, 4 * 4, dtype="int32") for i in range(2)]
+        for v in (views[0], views[0], views[0], views[1], views[1], views[1]):
+            await k(v, global_size=(4, 1, 1))  # the third call of each takes the shared record
+        # a queue's launch on the other view sets the kernel's arguments between two repeat
+        # calls: the next repeat sets its own again
+        await g.compute_queue().exec(k, (views[0],), global_size=(4, 1, 1)).submit()
+        await k(views[1], global_size=(4, 1, 1))
+        full = np.zeros(2 * align, np.int32)
+        await whole.copyout(full)
+        assert list(full[:4]) == [4] * 4 and list(full[align : align + 4]) == [4] * 4
+        assert full.sum() == 32
