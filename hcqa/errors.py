@@ -11,6 +11,8 @@ closes; one that was already raised is not raised again (see DESIGN.md).
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 __all__ = [
     "DeviceClosed",
     "DeviceFault",
@@ -20,7 +22,14 @@ __all__ = [
     "QueueFull",
     "SignalTimeout",
     "install_hint",
+    "work_owner",
 ]
+
+work_owner: ContextVar[object | None] = ContextVar("hcqa_work_owner", default=None)
+"""Who the work a task queues belongs to (any object; None: nobody in particular). A device
+notes it for each batch queued while it is set, and a :class:`DeviceFault` raised by a
+kernel or copy of that batch names it as its ``owner`` (``hcqa.serve`` sets it per run, so
+only the request whose own work faulted is blamed)."""
 
 
 def install_hint(extra: str) -> str:
@@ -68,13 +77,15 @@ class DeviceFault(HcqaError):
     """A kernel or a copy failed on a device; the original error is ``__cause__``.
 
     Sticky: once a device has faulted, every later wait on its timeline raises the
-    same instance.
+    same instance. ``owner``: the :data:`work_owner` of the batch whose command failed,
+    when the device could tell (None: unknown, or queued with no owner set).
     """
 
     def __init__(self, message: str, *, device: str = "", queue: str = "") -> None:
         super().__init__(message)
         self.device = device
         self.queue = queue
+        self.owner: object | None = None
 
 
 class InvalidCommand(HcqaError, ValueError, TypeError):

@@ -63,7 +63,7 @@ from hcqa._graph.patch import check_rebind, rebind_command, resolve_all
 from hcqa.actors import Batch
 from hcqa.devices.buffer import hazard_waits
 from hcqa.devices.capture import capturing, current_capture
-from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull
+from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull, work_owner
 from hcqa.signals import Fence, Signal
 from hcqa.variables import Expr, Variable, VarVals, variables_of
 
@@ -297,6 +297,9 @@ class Graph:
             q.value = finals[q]
             run = head + batch + tail
             seq = device._steps(run, part.also)
+            owner = work_owner.get()
+            if owner is not None:
+                device._own(q, base + 1, finals[q], owner, run)
             q.send_nowait(Batch(run), part.waits or bool(head or tail))
             limit = device.hang_limit
             fences.append(Fence(q.signal, finals[q], hang_limit=limit, context=q.name))

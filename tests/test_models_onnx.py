@@ -3,6 +3,7 @@ onnxruntime, per batch-size buckets, on tinygrad's kernels and as one onnxruntim
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,7 @@ async def test_a_small_onnx_model_on_each_kind(kind: str, tmp_path: Path) -> Non
         want = _ort(path, x)
         np.testing.assert_allclose(await m(x), want, rtol=1e-5, atol=1e-6)
         assert m.outputs == (models.TensorSpec("y", (None, 5), np.float32),)
+        assert m.backend == "tinygrad"
 
 
 async def test_bad_onnx_input_is_refused_by_name(tmp_path: Path) -> None:
@@ -195,9 +197,30 @@ async def test_an_input_onnxruntime_refuses_is_the_callers_error_not_the_devices
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
     async with hcqa.open_devices("cpu:0") as (dev,):
         m = await models.load_onnx(path, device=dev, backend="onnxruntime", batch_sizes=(2,))
+        assert m.backend == "onnxruntime"
         ids = np.array([[1, 2], [3, 99]], np.int64)  # 99: out of the table's range
         with pytest.raises(hcqa.InvalidCommand, match=r"model 'lookup' could not run this input"):
             await m(ids)
         ids[1, 1] = 4
         np.testing.assert_array_equal(await m(ids), np.arange(30.0).reshape(10, 3)[ids])
         await dev.synchronize()  # the device did not fault
+
+
+@pytest.mark.parametrize("backend", ["tinygrad", "onnxruntime"])
+def test_a_model_loads_and_runs_under_asyncio(backend: str, tmp_path: Path) -> None:
+    """``await m(x)`` from asyncio code (models route through hcqa.aio): loaded, run and
+    closed under ``asyncio.run``, with onnxruntime's answers."""
+    path = _tiny(tmp_path / "tiny.onnx")
+    x = np.random.default_rng(9).standard_normal((3, 6)).astype(np.float32)
+
+    async def main() -> tuple[np.ndarray, np.ndarray, str]:
+        async with hcqa.open_device("cpu:0") as dev:
+            m = await models.load_onnx(path, device=dev, backend=backend, batch_sizes=(1, 4))
+            both = await asyncio.gather(m(x), m(x[:1]))  # two asyncio tasks, one model
+            return both[0], both[1], m.backend
+
+    got, first, used = asyncio.run(asyncio.wait_for(main(), 60))
+    want = _ort(path, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(first, want[:1], rtol=1e-5, atol=1e-6)
+    assert used == backend

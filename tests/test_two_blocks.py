@@ -7,8 +7,10 @@ then overwrites that buffer: the write waited for the transfer's read, which wil
 happen -- nothing to wait for, not a fault (before: the outer device took the inner one's
 ``DeviceClosed`` as its own sticky error, "closed" while nobody had closed it).
 
-What stays a fault: work of the outer device that would read what the abandoned work was to
-*write* (it can't run correctly); see docs/reliability.md.
+Work of the outer device that needed what the abandoned work was to *write* (a transfer from
+its buffer, a queue waiting on a signal it was to set) fails alone: its fence raises a
+DeviceClosed naming it, as does what reads the data it did not write; the outer device is not
+faulted (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -141,3 +143,35 @@ async def test_reads_of_what_the_failed_work_was_to_write_fail_too() -> None:
             await double(data)
             await data.copyout(got)
             assert got.tolist() == [10.0] * 4
+
+
+async def test_a_queue_waiting_on_a_signal_the_abandoned_device_would_set_fails_alone() -> None:
+    """A built queue of the surviving device waits on a user signal that the abandoned
+    device's queue was to set: that submit fails alone (naming the signal and the closed
+    device), the survivor is not faulted and runs the next kernel."""
+
+    def slow(out: np.ndarray, n: int) -> None:
+        time.sleep(0.02 * n)
+
+    handoff = hcqa.Signal(0, name="handoff")
+    with trio.fail_after(30):
+        async with hcqa.open_device("cpu:0") as outer:
+            data = outer.alloc(shape=(4,), dtype="float32")
+            await data.copyin(np.ones(4, np.float32))
+            double = outer.program("double", lambda o: np.multiply(o, 2, out=o))
+            with pytest.raises(KeyError):
+                async with hcqa.open_device("cpu:1") as d:
+                    spin = d.program("slow", slow)
+                    for _ in range(5):
+                        spin(d.alloc(4), vals=(1,))
+                    d.compute_queue().signal(handoff, 1).submit()
+                    waited = outer.compute_queue().wait(handoff, 1).exec(double, (data,)).submit()
+                    raise KeyError("leave")
+            with pytest.raises(DeviceClosed, match=r"kernel 'double' not run.*handoff.*cpu:1"):
+                await waited
+            assert outer.faulted is None
+            await double(data)
+            got = np.zeros(4, np.float32)
+            await data.copyout(got)
+            assert got.tolist() == [2.0] * 4  # the failed double never ran; this one did
+    handoff.close()

@@ -365,7 +365,6 @@ def _onnx_build(
             model = await models.load_onnx(
                 path, device=dev, backend=backend, batch_sizes=sizes, name=name
             )
-            model.backend = backend  # type: ignore[attr-defined]  # the /v2 config's platform
             yield model
 
     return build

@@ -74,6 +74,7 @@ from hcqa.errors import (
     DeviceClosed,
     InvalidCommand,
     QueueFull,
+    work_owner,
 )
 from hcqa.signals import Fence, Signal
 
@@ -145,6 +146,7 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         )
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._owners = {}
         self._closed = False
         self._closing = False
         self._hung = False
@@ -454,6 +456,9 @@ class Device(Faults, HostCopies, Lifetime, FastPaths):
         value = actor.value = actor.value + 1
         batch.append(_signal_command(actor.signal, value, None))
         seq = self._steps(batch, also)
+        owner = work_owner.get()
+        if owner is not None:
+            self._own(actor, value, value, owner, batch)
         if inline:
             actor.run_inline(batch)
         else:

@@ -14,6 +14,15 @@ raises the same error object and nobody waits for work that will never run. From
 on ``_check_usable`` raises it at every enqueue; it is marked observed once raised to a
 caller, so a close does not report it a second time.
 
+Attribution. While :data:`hcqa.errors.work_owner` is set, every batch queued records
+``(first, last, owner, commands)`` -- the range of queue-signal values it sets -- in its
+queue's ``_owners`` (``_own``; finished batches are dropped as new ones come). A fault
+in a command of the cpu engine (which sets the queue signal, in order, from the thread
+that reports the fault) lies in the batch whose range holds ``signal + 1``; any other
+executor (a driver's, whose signal may lag) is attributed only when exactly one unfinished
+batch holds the failing command. The DeviceFault's ``owner`` is that batch's owner, or
+None when no batch matches (an unowned batch, a fault outside any command).
+
 This is a mixin of :class:`~hcqa.devices.base.Device`, which sets the attributes
 declared below.
 """
@@ -21,9 +30,11 @@ declared below.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from hcqa import commands as cmd
+from hcqa.actors.engine import Engine
 from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, SignalTimeout
 
 if TYPE_CHECKING:
@@ -47,6 +58,7 @@ class Faults:
     _closed: bool
     _closing: bool
     _hung: bool
+    _owners: dict[QueueActor, deque[tuple[int, int, object, list[Any]]]]
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -82,7 +94,34 @@ class Faults:
             queue=kind,
         )
         fault.__cause__ = exc
+        if command is not None:
+            fault.owner = self._owner_of(self._queues[kind], command)
         self._fault(fault)
+
+    # -- attribution -------------------------------------------------------------------------
+
+    def _own(self, actor: QueueActor, first: int, last: int, owner: object, run: list[Any]) -> None:
+        """Note that the batch setting ``actor``'s signal to ``first..last`` is ``owner``'s
+        (the loop's thread, before the batch is sent)."""
+        owned = self._owners.get(actor)
+        if owned is None:
+            owned = self._owners[actor] = deque()
+        done = actor.signal.value
+        while owned and owned[0][1] <= done:
+            owned.popleft()
+        owned.append((first, last, owner, run))
+
+    def _owner_of(self, actor: QueueActor, command: Any) -> object | None:
+        """The owner of the batch of ``actor`` whose ``command`` failed (any thread)."""
+        owned = self._owners.get(actor)
+        if not owned:
+            return None
+        done = actor.signal.value
+        pending = [e for e in list(owned) if e[1] > done]  # list(): one copy under the GIL
+        if isinstance(actor.engine, Engine):  # in order, signals set by this very thread
+            return next((e[2] for e in pending if e[0] <= done + 1), None)
+        holders = [e for e in pending if any(c is command for c in e[3])]
+        return holders[0][2] if len(holders) == 1 else None
 
     def _hang(self, exc: BaseException) -> None:
         """A SignalTimeout reached a caller: the device is hung. Its message gains the

@@ -109,6 +109,7 @@ async def from_tinygrad(
         outputs=tuple(s for s, _ in lifted.outputs),
         buckets={0: bucket},
         batched=False,
+        backend="tinygrad",
     )
 
 

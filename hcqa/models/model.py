@@ -200,7 +200,12 @@ async def build(
 
 
 class Model:
-    """A captured model on one hcqa device: ``await model(*arrays, **variables)``."""
+    """A captured model on one hcqa device: ``await model(*arrays, **variables)``.
+
+    ``backend``: what made its kernels -- ``"tinygrad"`` (its compiled kernels, from
+    :func:`~hcqa.models.load_onnx` or :func:`~hcqa.models.from_tinygrad`) or
+    ``"onnxruntime"`` (one session run as a Python kernel); ``hcqa.serve`` reports it as
+    the model's platform."""
 
     def __init__(
         self,
@@ -211,8 +216,10 @@ class Model:
         outputs: tuple[TensorSpec, ...],
         buckets: dict[int, Bucket],
         batched: bool,
+        backend: str = "tinygrad",
     ) -> None:
         self.name = name
+        self.backend = backend
         self.device = device
         self.inputs = inputs
         self.outputs = outputs

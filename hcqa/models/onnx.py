@@ -185,6 +185,7 @@ async def load_onnx(
         outputs=outputs,
         buckets={max(r, 1): b for r, b in buckets.items()},
         batched=batched,
+        backend=backend,
     )
 
 

@@ -25,8 +25,19 @@ requests then get the error if the batch was one request, and are retried once, 
 alone, if it held several (the one whose input raises fails again alone and gets the
 error; the others are answered). A request whose batch failed because an *earlier*
 generation faulted (it was queued or running meanwhile) never counts as tried: it waits
-for the new generation and runs again. Without ``build``, a faulted model stays
-unavailable (readiness false) and its requests get 503.
+for the new generation and runs again.
+
+Runs overlap (other requests' batches, the alone retries, direct runs), and a device fault
+is sticky: every run in flight on the device sees the same error, in no set order. So the
+fault is *attributed*: each run sets :data:`hcqa.errors.work_owner` to a token of its own
+while it queues, the device notes the owner of each batch, and a kernel's or copy's
+:class:`DeviceFault` names the owner of the batch that failed (``DeviceFault.owner``, see
+``hcqa/devices/faults.py``). Only the run it names is blamed; every other run it reached
+is stale (runs again on the next generation). A fault nobody owns (a hang, a fault outside
+any command, a driver that could not tell, a ``ProcessPipeline``'s or a callable's
+device) is blamed on a single-request run only if no other run overlapped it; an
+overlapped one is stale, up to ``_STALE_RETRIES`` times. Without ``build``, a faulted
+model stays unavailable (readiness false) and its requests get 503.
 
 :class:`Hosted` also counts what Triton's statistics extension reports (success, fail,
 queue and compute times, per batch size): :meth:`Hosted.triton_stats`.
@@ -34,9 +45,8 @@ queue and compute times, per batch size): :meth:`Hosted.triton_stats`.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from typing import Any
 
@@ -47,9 +57,9 @@ import numpy.typing as npt
 import trio
 
 from hcqa.batcher import Batcher, open_batcher
-from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand
+from hcqa.errors import DeviceClosed, DeviceFault, HcqaError, InvalidCommand, work_owner
 from hcqa.serve.targets import Target, as_target, is_model
-from hcqa.serve.tensors import TensorSpec
+from hcqa.serve.tensors import Packing, TensorSpec
 
 __all__ = ["Hosted", "Model", "ModelFailed", "Unavailable", "error_status"]
 
@@ -144,6 +154,7 @@ class Hosted:
         self.executions = 0
         self.inferences = 0
         self.last_inference_ms = 0
+        self._running: dict[object, bool] = {}  # each run in flight: did another overlap it
         self._given: Target | None = None  # a ready target, checked before anything starts
         if model.pipeline is not None:
             self._given = as_target(model.pipeline, inputs=model.inputs, outputs=model.outputs)
@@ -248,8 +259,8 @@ class Hosted:
                 f"largest batch (got {max_batch})"
             )
         gen = self.generation
-        pack = _Packing(target.inputs)
-        unpack_out = _Packing(target.outputs)
+        pack = Packing(target.inputs)
+        unpack_out = Packing(target.outputs)
 
         async def batch(rows: npt.NDArray[Any]) -> npt.NDArray[Any]:
             t0 = time.perf_counter()
@@ -302,8 +313,8 @@ class Hosted:
             target, gen = await self._current()
             try:
                 if len(xs[0]) == 1 and self.batcher is not None and not alone:
-                    row = await self.batcher(_Packing(target.inputs).join(xs)[0])
-                    return _Packing(target.outputs).split(row[None])
+                    row = await self.batcher(Packing(target.inputs).join(xs)[0])
+                    return Packing(target.outputs).split(row[None])
                 return await self._chunks(target, xs, gen)
             except _Failed as f:
                 if f.retry == "stale" and stale < _STALE_RETRIES:
@@ -366,17 +377,31 @@ class Hosted:
         return tuple(np.concatenate(parts) for parts in zip(*done, strict=True))
 
     async def _guarded(self, target: Target, xs: Arrays, gen: int, requests: int) -> Arrays:
-        """``target.run(xs)``; a failure becomes a :class:`_Failed` for each caller."""
+        """``target.run(xs)``; a failure becomes a :class:`_Failed` for each caller. The run
+        is the owner (:data:`hcqa.errors.work_owner`) of what it queues, so a device fault
+        names the run whose own work faulted."""
         if gen != self.generation:
             raise _Failed(DeviceClosed(f"model '{self.name}' is being rebuilt"), "stale")
+        me = object()
+        self._running[me] = bool(self._running)
+        for other in self._running:  # everyone running now overlaps someone
+            self._running[other] = self._running[other] or len(self._running) > 1
+        token = work_owner.set(me)
         try:
             return await target.run(xs)
         except Exception as exc:
-            raise self._failed(target, exc, gen, requests) from exc
+            raise self._failed(target, exc, gen, requests, me) from exc
+        finally:
+            work_owner.reset(token)
+            del self._running[me]
 
-    def _failed(self, target: Target, exc: Exception, gen: int, requests: int) -> _Failed:
+    def _failed(
+        self, target: Target, exc: Exception, gen: int, requests: int, me: object
+    ) -> _Failed:
+        owner = exc.owner if isinstance(exc, DeviceFault) else None
+        mine = "alone" if requests > 1 else ""
         if gen != self.generation:  # an earlier failure began a recovery meanwhile
-            return _Failed(exc, "stale")
+            return _Failed(exc, mine if owner is me else "stale")
         faulted = [d for d in target.devices if d.faulted or d.closed]
         if faulted and self.model.build is not None and self._recover is not None:
             self.generation += 1
@@ -384,7 +409,12 @@ class Hosted:
             self._recover.set()
         if isinstance(exc, InvalidCommand | DeviceClosed) and not faulted:
             return _Failed(exc, "")  # the request's own fault, or the server closing
-        return _Failed(exc, "alone" if requests > 1 else "")
+        if faulted and owner is not me:
+            if owner is not None:
+                return _Failed(exc, "stale")  # another run's work faulted the device
+            if self._running.get(me) and requests == 1:
+                return _Failed(exc, "stale")  # unattributed, and not ours alone: not tried
+        return _Failed(exc, mine)
 
     def _count_batch(self, n: int, t_in: float, t_infer: float, t_out: float) -> None:
         self.executions += 1
@@ -434,44 +464,6 @@ class Hosted:
             ],
             "memory_usage": [],
         }
-
-
-class _Packing:
-    """Several tensors' rows as one row of bytes (one tensor: its own rows, unpacked)."""
-
-    def __init__(self, specs: Sequence[TensorSpec]) -> None:
-        self.specs = tuple(specs)
-        self.sizes = [math.prod(s.sample_shape) * s.dtype.itemsize for s in self.specs]
-        self.single = len(self.specs) == 1
-        if self.single:
-            self.row_shape: tuple[int, ...] = self.specs[0].sample_shape
-            self.row_dtype: np.dtype[Any] = self.specs[0].dtype
-        else:
-            self.row_shape, self.row_dtype = (sum(self.sizes),), np.dtype(np.uint8)
-
-    def join(self, xs: Arrays) -> npt.NDArray[Any]:
-        """``n`` rows of each tensor as ``n`` packed rows."""
-        if self.single:
-            return xs[0]
-        n = len(xs[0])
-        rows = np.empty((n, sum(self.sizes)), np.uint8)
-        at = 0
-        for x, size in zip(xs, self.sizes, strict=True):
-            rows[:, at : at + size] = np.ascontiguousarray(x).reshape(n, -1).view(np.uint8)
-            at += size
-        return rows
-
-    def split(self, rows: npt.NDArray[Any]) -> Arrays:
-        """Packed rows back to one array per tensor."""
-        if self.single:
-            return (rows,)
-        n = len(rows)
-        out, at = [], 0
-        for s, size in zip(self.specs, self.sizes, strict=True):
-            part = np.ascontiguousarray(rows[:, at : at + size])
-            out.append(part.view(s.dtype).reshape(n, *s.sample_shape))
-            at += size
-        return tuple(out)
 
 
 def error_status(exc: Exception) -> tuple[int, str]:

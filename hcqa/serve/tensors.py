@@ -25,6 +25,9 @@ fit and the range that came -- when one does not. Every refusal is an
 ``parameters.binary_data_output`` or the output's own ``parameters.binary_data``), as
 bytes after the JSON, with ``binary_data_size`` in the output's parameters and the
 ``Inference-Header-Content-Length`` header giving the JSON's length.
+
+:class:`Packing` puts a model's several tensors' rows into one row of bytes (the batcher
+batches rows of one shape) and back.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "DATATYPES",
     "HEADER_LENGTH",
     "InferRequest",
+    "Packing",
     "TensorSpec",
     "datatype_of",
     "encode_response",
@@ -52,6 +56,7 @@ __all__ = [
     "parse_request",
 ]
 
+Arrays = tuple[npt.NDArray[Any], ...]
 HEADER_LENGTH = "inference-header-content-length"
 MAX_TIMEOUT = (1 << 64) - 1  # microseconds: Triton's uint64; larger would overflow a float
 
@@ -374,3 +379,41 @@ def encode_response(
     if not blobs:
         return head, {}
     return b"".join([head, *blobs]), {"Inference-Header-Content-Length": str(len(head))}
+
+
+class Packing:
+    """Several tensors' rows as one row of bytes (one tensor: its own rows, unpacked)."""
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self.specs = tuple(specs)
+        self.sizes = [math.prod(s.sample_shape) * s.dtype.itemsize for s in self.specs]
+        self.single = len(self.specs) == 1
+        if self.single:
+            self.row_shape: tuple[int, ...] = self.specs[0].sample_shape
+            self.row_dtype: np.dtype[Any] = self.specs[0].dtype
+        else:
+            self.row_shape, self.row_dtype = (sum(self.sizes),), np.dtype(np.uint8)
+
+    def join(self, xs: Arrays) -> npt.NDArray[Any]:
+        """``n`` rows of each tensor as ``n`` packed rows."""
+        if self.single:
+            return xs[0]
+        n = len(xs[0])
+        rows = np.empty((n, sum(self.sizes)), np.uint8)
+        at = 0
+        for x, size in zip(xs, self.sizes, strict=True):
+            rows[:, at : at + size] = np.ascontiguousarray(x).reshape(n, -1).view(np.uint8)
+            at += size
+        return rows
+
+    def split(self, rows: npt.NDArray[Any]) -> Arrays:
+        """Packed rows back to one array per tensor."""
+        if self.single:
+            return (rows,)
+        n = len(rows)
+        out, at = [], 0
+        for s, size in zip(self.specs, self.sizes, strict=True):
+            part = np.ascontiguousarray(rows[:, at : at + size])
+            out.append(part.view(s.dtype).reshape(n, *s.sample_shape))
+            at += size
+        return tuple(out)

@@ -135,6 +135,19 @@ class V2:
             raise _NotFound(f"model '{name}' has no version '{version[:64]}' (it has: {m.version})")
         return m
 
+    def _lookup(self, request: Request, *, ready: bool = False) -> Hosted | Response:
+        """The model the path names; else the answer: 404 for an unknown model or version,
+        503 (with ``ready``) for a model that is not ready."""
+        try:
+            m = self._model(request)
+            if ready:
+                m.ready_target()
+        except _NotFound as exc:
+            return _error(404, str(exc))
+        except Unavailable as exc:
+            return _error(503, str(exc))
+        return m
+
     async def server_metadata(self, request: Request) -> Response:
         doc = {
             "name": "hcqa",
@@ -168,13 +181,10 @@ class V2:
         return _json(200, rows)
 
     async def model_metadata(self, request: Request) -> Response:
-        try:
-            m = self._model(request)
-            t = m.ready_target()
-        except _NotFound as exc:
-            return _error(404, str(exc))
-        except Unavailable as exc:
-            return _error(503, str(exc))
+        m = self._lookup(request, ready=True)
+        if isinstance(m, Response):
+            return m
+        t = m.ready_target()
         doc = {
             "name": m.name,
             "versions": [m.version],
@@ -186,13 +196,10 @@ class V2:
 
     async def model_config(self, request: Request) -> Response:
         """Triton's model configuration: what tritonclient's ``get_model_config`` reads."""
-        try:
-            m = self._model(request)
-            t = m.ready_target()
-        except _NotFound as exc:
-            return _error(404, str(exc))
-        except Unavailable as exc:
-            return _error(503, str(exc))
+        m = self._lookup(request, ready=True)
+        if isinstance(m, Response):
+            return m
+        t = m.ready_target()
 
         def tensors(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
             return [
@@ -226,30 +233,27 @@ class V2:
         return _json(200, doc)
 
     async def model_stats(self, request: Request) -> Response:
-        try:
-            m = self._model(request)
-        except _NotFound as exc:
-            return _error(404, str(exc))
+        m = self._lookup(request)
+        if isinstance(m, Response):
+            return m
         return _json(200, {"model_stats": [m.triton_stats()]})
 
     async def all_stats(self, request: Request) -> Response:
         return _json(200, {"model_stats": [m.triton_stats() for m in self.models.values()]})
 
     async def model_ready(self, request: Request) -> Response:
-        try:
-            m = self._model(request)
-        except _NotFound as exc:
-            return _error(404, str(exc))
+        m = self._lookup(request)
+        if isinstance(m, Response):
+            return m
         why = m.unavailable()
         if why:
             return _error(400, f"model '{m.name}' not ready: {why}")
         return Response(b"", 200)
 
     async def infer(self, request: Request) -> Response:
-        try:
-            m = self._model(request)
-        except _NotFound as exc:
-            return _error(404, str(exc))
+        m = self._lookup(request)
+        if isinstance(m, Response):
+            return m
         tracer = serving.active()
         if tracer is None:
             return await self._infer(request, m)

@@ -1,0 +1,191 @@
+"""Who is blamed for a device fault in hcqa.serve: only the run whose own work faulted.
+
+A fault is sticky, so every run in flight on the device sees the same error, and the
+order in which their failures are handled is the scheduler's. These tests force the order
+that once blamed an innocent request (its failure handled first) and check that the
+device names the run whose batch failed (``DeviceFault.owner``)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import trio
+import trio.testing
+
+import hcqa
+from hcqa.errors import DeviceFault, work_owner
+from hcqa.serve import Model
+from hcqa.serve.hosted import Hosted
+
+VOCAB = 10
+INNOCENT = 4  # the row co-batched with the culprit (warming runs zeros: not it)
+HOLD = VOCAB - 1  # a row whose first id is this holds in the kernel until hold_gate
+
+
+@pytest.fixture(autouse=True)
+def _no_owner() -> None:
+    assert work_owner.get() is None
+
+
+class Racing:
+    """An embedding (``out = ids * 1.5``) whose kernel raises on an id out of the vocabulary,
+    shaped like ``hcqa.models.Model`` and run by Pipelines on ``cpu:0``. Armed, it forces the
+    race: the culprit's single-row run holds in the kernel until an innocent single-row run
+    has queued behind it on the same device; the innocent's failure is handled first."""
+
+    name = "embed"
+    batch_sizes = (1, 2)
+
+    def __init__(self) -> None:
+        self.inputs = (("ids", (None, 4), np.dtype(np.int32)),)
+        self.outputs = (("out", (None, 4), np.dtype(np.float32)),)
+        self.armed = False  # by the first batch of two that faults
+        self.hold_in, self.hold_gate = threading.Event(), threading.Event()
+        self.holding = threading.Event()  # the culprit's kernel holds (engine thread)
+        self.gate = threading.Event()
+        self.innocent_queued = trio.Event()
+        self.innocent_failed = trio.Event()
+        self.builds: list[hcqa.Device] = []
+        self.pipes: dict[int, hcqa.Pipeline] = {}
+        self.device: Any = None
+
+    def kernel(self, out: npt.NDArray[Any], ids: npt.NDArray[Any]) -> None:
+        if ids[0, 0] == HOLD:
+            self.hold_in.set()
+            self.hold_gate.wait(30)
+        bad = ids[(ids < 0) | (ids >= VOCAB)]
+        if bad.size and len(ids) == 1 and self.armed:
+            self.holding.set()
+            self.gate.wait(30)
+        if bad.size:
+            raise IndexError(f"token id {int(bad[0])} is out of the vocabulary")
+        out[...] = ids * 1.5
+
+    @asynccontextmanager
+    async def build(self) -> AsyncIterator[Any]:
+        async with hcqa.open_device("cpu:0") as d:
+            self.builds.append(d)
+            self.device = d
+            program = d.program("embed", self.kernel)
+            stage = hcqa.Stage(device=d, program=program, out_dtype="float32")
+            self.pipes = {
+                b: hcqa.Pipeline([stage], in_shape=(b, 4), dtype="int32", depth=2)
+                for b in self.batch_sizes
+            }
+            yield self
+
+    async def __call__(self, ids: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        bad = bool(((ids < 0) | (ids >= VOCAB)).any())
+        innocent = self.armed and ids[0, 0] == INNOCENT and not self.innocent_queued.is_set()
+        if innocent:  # queue behind the culprit's held kernel
+            await trio.to_thread.run_sync(self.holding.wait, abandon_on_cancel=True)
+            self.innocent_queued.set()
+        try:
+            return await self.pipes[len(ids)](ids)
+        except DeviceFault:
+            if len(ids) == 2:
+                self.armed = True
+            elif innocent:
+                self.innocent_failed.set()  # its _failed runs before the culprit's
+            elif self.armed and bad and len(ids) == 1:
+                await self.innocent_failed.wait()
+            raise
+
+
+@asynccontextmanager
+async def hosted(model: Model) -> AsyncIterator[Hosted]:
+    h = Hosted(model)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(h.keep)
+        yield h
+        nursery.cancel_scope.cancel()
+
+
+def _row(first: int) -> tuple[npt.NDArray[Any]]:
+    return (np.array([[first, 1, 2, 3]], np.int32),)
+
+
+async def test_the_culprits_alone_retry_does_not_blame_an_innocent_beside_it() -> None:
+    """A batch of two faults; both are retried alone, overlapping on the rebuilt device: the
+    culprit's retry holds in the kernel while the innocent's queues behind it, then faults,
+    and the innocent's failure (the same sticky fault) is handled first. The innocent still
+    gets its answer (rerun on the next build), the culprit its own error."""
+    race = Racing()
+    model = Model(name="embed", build=race.build, max_batch=2, max_wait=30)
+    async with hosted(model) as h:
+        answers: dict[int, Any] = {}
+
+        async def ask(first: int) -> None:
+            try:
+                answers[first] = await h.run(_row(first))
+            except Exception as exc:
+                answers[first] = exc
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, HOLD)  # runs alone (nothing else in flight) and holds
+                await trio.to_thread.run_sync(race.hold_in.wait, abandon_on_cancel=True)
+                nursery.start_soon(ask, 99)
+                nursery.start_soon(ask, INNOCENT)  # the batch of two, dispatched after HOLD's
+                await trio.testing.wait_all_tasks_blocked()
+                race.hold_gate.set()
+                await race.innocent_queued.wait()
+                await trio.testing.wait_all_tasks_blocked()
+                race.gate.set()
+        assert race.innocent_failed.is_set()  # the race happened, in that order
+        np.testing.assert_array_equal(answers.pop(HOLD)[0], [[HOLD * 1.5, 1.5, 3.0, 4.5]])
+        culprit = answers.pop(99)
+        assert isinstance(culprit, DeviceFault), culprit
+        assert "token id 99 is out of the vocabulary" in str(culprit)
+        np.testing.assert_array_equal(answers[INNOCENT][0], [[6.0, 1.5, 3.0, 4.5]])
+        assert h.state == "ready"
+        ys = await h.run(_row(2))
+        np.testing.assert_array_equal(ys[0], [[3.0, 1.5, 3.0, 4.5]])
+    # the batch's fault, the culprit's alone retry's: two rebuilds
+    assert len(race.builds) == 3
+
+
+async def test_a_fault_names_the_owner_of_the_batch_that_failed() -> None:
+    """The device notes who queued each batch (``work_owner``); the fault of a kernel names
+    the owner of its batch, not of a batch queued behind it."""
+    seen: list[int] = []
+    holding, gate = threading.Event(), threading.Event()
+
+    def kernel(out: npt.NDArray[Any], x: npt.NDArray[Any]) -> None:
+        seen.append(int(x[0]))
+        if x[0] < 0:
+            holding.set()
+            gate.wait(30)
+            raise ValueError("negative")
+        out[...] = x
+
+    async with hcqa.open_device("cpu:0") as d:
+        prog = d.program("k", kernel)
+        stage = hcqa.Stage(device=d, program=prog, out_dtype="float32")
+        pipe = hcqa.Pipeline([stage], in_shape=(1,), dtype="float32", depth=2)
+        seen.clear()
+        culprit, innocent = object(), object()
+        errors: dict[object, BaseException] = {}
+
+        async def call(owner: object, x: float) -> None:
+            work_owner.set(owner)  # this task's own context
+            try:
+                await pipe(np.array([x], np.float32))
+            except DeviceFault as exc:
+                errors[owner] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, culprit, -1.0)
+            await trio.to_thread.run_sync(holding.wait)
+            nursery.start_soon(call, innocent, 1.0)  # queued behind the culprit's kernel
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+        assert seen == [-1]
+        assert errors[culprit] is errors[innocent]  # sticky: one instance for both
+        assert getattr(errors[culprit], "owner", None) is culprit
