@@ -6,6 +6,12 @@ and serves until SIGTERM, then shuts Ray down. The replica's ``@serve.batch`` me
 the single samples gathered by Ray Serve (``max_batch_size`` and ``batch_wait_timeout_s`` the
 same as hcqa's ``--max-batch`` and ``--max-wait``) and runs ``relu(x @ w1) @ w2`` on them
 with the weights of ``hcqa.serve.mlp_pipeline`` (seed 0).
+
+``--onnx PATH`` (``bench/bench_serve_onnx.py``'s peer): the replica hosts an onnxruntime
+session of that file instead (one intra-op thread, the options of
+``examples/fastapi_onnx_app.py``), and its ``@serve.batch`` method runs the gathered samples
+as one ``session.run``. Ray is kept small for a 2-core host: ``num_cpus=2``, one replica, no
+dashboard, no log shipping to the driver.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-wait", type=float, default=0.002)
     parser.add_argument("--sleep-ms", type=float, default=0.0)
+    parser.add_argument("--onnx", default="", help="serve this ONNX file with onnxruntime")
     args = parser.parse_args()
 
     import ray
@@ -45,11 +52,23 @@ def main() -> None:
 
     width, max_batch, max_wait = args.width, args.max_batch, args.max_wait
     sleep = args.sleep_ms / 1e3
+    onnx_path = os.path.abspath(args.onnx) if args.onnx else ""
 
     @serve.deployment(num_replicas=1, max_ongoing_requests=1024)
     class MLP:
         def __init__(self) -> None:
             os.environ["OPENBLAS_NUM_THREADS"] = "1"
+            self.session: Any = None
+            if onnx_path:
+                import onnxruntime as ort
+
+                opts = ort.SessionOptions()
+                opts.intra_op_num_threads = 1
+                opts.inter_op_num_threads = 1
+                self.session = ort.InferenceSession(
+                    onnx_path, opts, providers=["CPUExecutionProvider"]
+                )
+                self.input = self.session.get_inputs()[0].name
             rng = np.random.default_rng(0)
             scale = np.float32(1 / np.sqrt(width))
             self.w1, self.w2 = (
@@ -57,6 +76,8 @@ def main() -> None:
             )
 
         def layers(self, x: np.ndarray) -> np.ndarray:
+            if self.session is not None:
+                return np.asarray(self.session.run(None, {self.input: x})[0])
             if sleep:
                 time.sleep(sleep)  # layer 1's kernel time, as on hcqa's cpu:0
             h = np.maximum(x @ self.w1, 0)

@@ -121,10 +121,17 @@ def cpu_seconds(root: int) -> float:
 class Server:
     """A server process on a free loopback port."""
 
-    def __init__(self, name: str, argv: list[str], *, ready: str) -> None:
+    def __init__(
+        self, name: str, argv: list[str], *, ready: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**ENV, **(env or {})},
+            cwd=ROOT,
         )
         self.port = 0
         deadline = time.monotonic() + 180

@@ -178,3 +178,30 @@ def test_a_request_links_to_its_batch_and_the_batch_to_its_kernels(
     batches = [by_id[b] for b in seen_batches]
     assert sum(b["args"]["requests"] for b in batches) == len(requests)
     assert max(b["args"]["requests"] for b in batches) > 1  # batches really formed
+
+
+def test_the_plot_names_the_served_rows_and_ties_requests_to_batches_and_kernels(
+    served: dict[str, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("matplotlib")
+    from hcqa.trace import plot
+
+    info = plot(served, tmp_path / "served.png")
+    assert (tmp_path / "served.png").stat().st_size > 0
+    assert info.served == (
+        f"{PLAIN}  8 requests",
+        f"{V2}  8 requests",
+        info.served[2],
+    )
+    assert info.served[2].startswith("model doubler batches  ")
+    assert not [r for r in info.rows if "_run_handler" in r]
+    assert 1 <= len(info.chains) <= 6
+    colors = {c.color for c in info.chains}
+    assert len(colors) == len(info.chains)  # each chain a colour of its own
+    for c in info.chains:
+        assert c.batch.startswith("doubler batch x")
+        assert c.requests == int(c.batch.rpartition("x")[2])  # every request of it, tied
+        assert {"stage0", "stage1"} <= set(c.kernels)
+        assert f"batch {c.number}: {c.requests} requests -> {len(c.kernels)} device ranges" in (
+            info.legend
+        )

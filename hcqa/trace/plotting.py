@@ -30,6 +30,8 @@ from typing import Any, Literal
 import attrs
 
 from hcqa.errors import InvalidCommand
+from hcqa.trace import _served
+from hcqa.trace._served import Chain
 from hcqa.trace.reading import Event, Track, _busy, _clip, _ms, _view, check
 
 __all__ = ["PlotInfo", "plot", "stable_colors"]
@@ -59,6 +61,10 @@ class PlotInfo:
     # "" where not even that fits), in the order of ``regions``
     region_labels: tuple[str, ...] = ()
     long_steps: tuple[str, ...] = ()  # the labels of trio steps that held the loop
+    # a served model (trace/serving.py): its rows (one per endpoint, one per model's batches)
+    # and the batches tied to their requests and kernels by colour and lines
+    served: tuple[str, ...] = ()
+    chains: tuple[Chain, ...] = ()
 
 
 def _flow_pairs(events: Sequence[Event], rows: Mapping[Track, int]) -> list[tuple[Event, Event]]:
@@ -249,7 +255,9 @@ def plot(
     levels = _levels(regions)
     n_region_rows = max(levels, default=-1) + 1
     keys = dev_keys + task_keys
-    row = {k: i + n_region_rows for i, k in enumerate(keys)}
+    served = _served.collect(v, events, lo, hi, _chain_color)
+    n_served = len(served.rows)
+    row = {k: i + n_region_rows + n_served for i, k in enumerate(keys)}
     task_label = v.task_labels()
     names = [v.track_name(k) for k in dev_keys] + [task_label[k] for k in task_keys]
     labels = [  # a queue's busy share; a task's time on the loop (its steps are short)
@@ -259,7 +267,7 @@ def plot(
         for name, k in zip(names, keys, strict=True)
     ]
     region_labels = ["regions" if i == 0 else f"regions ({i + 1})" for i in range(n_region_rows)]
-    all_labels = region_labels + labels
+    all_labels = region_labels + list(served.labels) + labels
     device_spans = [(a, d) for k in dev_keys for a, d, _ in tracks[k]]
     busy_share = _busy(device_spans) / span_us if span_us > 0 else 0.0
 
@@ -289,7 +297,10 @@ def plot(
         face: list[Any] = [trio_color if k[0] == v.trio_pid else colors[n] for _, _, n in es]
         ax.broken_barh(spans, (row[k] - 0.38, 0.76), facecolors=face, linewidth=0, zorder=2)
     if dev_keys and task_keys:
-        ax.axhline(n_region_rows + len(dev_keys) - 0.5, color="0.3", lw=0.8, zorder=3)
+        ax.axhline(n_region_rows + n_served + len(dev_keys) - 0.5, color="0.3", lw=0.8, zorder=3)
+    chain_handles = _served.draw(ax, served, x, scale, n_region_rows, row)
+    if n_served and keys:
+        ax.axhline(n_region_rows + n_served - 0.5, color="0.3", lw=0.8, zorder=3)
 
     # Regions: a bar per region in the rows on top (labelled once the layout is known); the
     # outermost ones also shade the rows below, every other one, with a line where each
@@ -367,6 +378,7 @@ def plot(
         handles.append(Patch(color=trio_color, label="trio task step"))
     if chosen:
         handles.append(Line2D([], [], color="0.1", lw=0.8, alpha=0.6, label="cross-queue wait"))
+    handles += chain_handles
 
     def lay_out(key: Sequence[tuple[str, str]], unlabelled: int = 0) -> None:
         listed = [Patch(color="none", label=f"region {n}: {name}") for n, name in key]
@@ -420,4 +432,14 @@ def plot(
         busy_share=busy_share,
         region_labels=tuple(said),
         long_steps=tuple(held),
+        served=served.labels,
+        chains=tuple(c for c, _, _, _ in served.chains),
     )
+
+
+def _chain_color(i: int) -> tuple[float, float, float, float]:
+    """A chain's colour: matplotlib's Dark2 (a program's colours are tab10's)."""
+    from matplotlib import colormaps
+
+    dark = colormaps["Dark2"]
+    return tuple(dark(i % 8))  # type: ignore[return-value]
