@@ -660,7 +660,7 @@ METHODS_WITHOUT_INPUT = {
     "Graph": {"dump", "statistics"},
     "Tracer": {
         "after_io_wait", "after_run", "after_task_step", "before_io_wait", "before_run",
-        "before_task_step", "engine_run", "start", "stop", "task_exited", "task_scheduled",
+        "before_task_step", "engine_run", "sent", "start", "stop", "task_exited", "task_scheduled",
         "task_spawned", "waited",
     },  # trio's Instrument hooks and the engines' tracing hooks
 }  # fmt: skip
