@@ -9,10 +9,11 @@ one call of its own says so through two methods of its :class:`~hcqa.devices.Dev
 
 * ``_fusable(exec_)`` -- whether this ``Exec`` may join a fused run (the cpu backend: a C
   kernel whose arguments a table can carry);
-* ``_fuse(run, at_submit=...)`` -- one command that runs every ``Exec`` of ``run`` (two or
-  more fusable launches in a row on one queue), in order: a :class:`FusedRun`.
-  ``at_submit``: made at a queue's submit, on the caller's task, where a compile would stall
-  it (build nothing new: the cpu backend then calls each kernel through its trampoline).
+* ``_fuse(run)`` -- one command that runs every ``Exec`` of ``run`` (two or more fusable
+  launches in a row on one queue), in order: a :class:`FusedRun`. It is called on the
+  caller's task (a graph capture's end, a queue's submit), where a compile would stall the
+  event loop: it builds nothing new (the cpu backend calls each kernel through its
+  trampoline, loaded with the program).
 
 The core does the rest, the same for every backend: :func:`fuse` walks a template (a graph
 part's, a built queue's) and replaces each run of fusable launches by the fused command; the
@@ -72,9 +73,7 @@ class FusedRun:
 Patch = tuple[int, str, Any]  # (template index, kind, data)
 
 
-def fuse(
-    template: list[Any], patches: list[Patch], *, at_submit: bool = False
-) -> tuple[list[Any], list[Patch], int]:
+def fuse(template: list[Any], patches: list[Patch]) -> tuple[list[Any], list[Patch], int]:
     """Replace each run of two or more fusable launches in ``template`` by the fused command
     their device makes (``Device._fuse``); the new template, the patch slots moved to their
     new positions, and how many runs were fused.
@@ -93,7 +92,7 @@ def fuse(
     def flush() -> None:
         nonlocal made
         if len(run) >= 2:
-            fused = run[0].program.device._fuse(run, at_submit=at_submit)
+            fused = run[0].program.device._fuse(run)
             if fused.symbols:
                 extra.append((len(out), "run", fused))
                 out.append(None)
