@@ -28,7 +28,7 @@ the run it was called on, so a replay still in flight keeps its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hcqa import commands as cmd
@@ -37,17 +37,21 @@ from hcqa.variables import Expr, Variable
 if TYPE_CHECKING:
     from hcqa.devices.buffer import Buffer
 
-__all__ = ["FusedRun", "fuse"]
+__all__ = ["FusedRun", "access_of", "fuse"]
 
 _SYM = (Variable, Expr)
 
 
-class FusedRun:
+class FusedRun(cmd.Fused):
     """A command that runs several launches as one call (see the module doc).
 
     A backend's fused command subclasses this and provides:
 
     * ``names`` -- the fused kernels' names, in order (a tracer shows them as one range);
+    * :meth:`access` -- the buffers it reads before writing them and those it writes
+      (:func:`access_of` of its launches; rebound ones after a ``bound``): a batch that
+      fails does not run it and marks what it was to write as holding no valid data, and
+      a batch queued behind that reads it fails too (``actors/actor.py``);
     * ``symbols`` -- the distinct symbolic ints (Variables, expressions) its arguments hold,
       in a fixed order; empty when every argument is known;
     * :meth:`buffers` -- the buffers it touches (a graph rebinds them on replay);
@@ -68,6 +72,25 @@ class FusedRun:
         self, values: Mapping[Any, int] | None, rebind: Mapping[Buffer, Buffer] | None
     ) -> FusedRun:
         raise NotImplementedError
+
+
+def access_of(run: Sequence[cmd.Exec]) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+    """What the launches of ``run``, in order, read before writing it (a buffer of an
+    allocation an earlier launch of the run wrote is not read from outside), and what they
+    write: a fused run's :meth:`FusedRun.access`, as its launches would report one by one."""
+    reads: dict[int, Any] = {}
+    writes: dict[int, Any] = {}
+    for e in run:
+        written, read = e.program.access(len(e.buffers))
+        for i in read:
+            b = e.buffers[i]
+            key = id(b._hazards)  # type: ignore[attr-defined]
+            if key not in writes:
+                reads.setdefault(key, b)
+        for i in written:
+            b = e.buffers[i]
+            writes.setdefault(id(b._hazards), b)  # type: ignore[attr-defined]
+    return tuple(reads.values()), tuple(writes.values())
 
 
 Patch = tuple[int, str, Any]  # (template index, kind, data)

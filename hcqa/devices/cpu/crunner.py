@@ -83,6 +83,9 @@ class RunC(FusedRun):
     names: tuple[str, ...]
     syms: tuple[tuple[int, Any, int, int, str], ...] = attrs.field(default=(), repr=False)
     refs: tuple[tuple[int, Any], ...] = attrs.field(default=(), repr=False)
+    # what the run reads before writing and what it writes (``fusion.access_of``; rebound)
+    reads: tuple[Buffer, ...] = attrs.field(default=(), repr=False)
+    writes: tuple[Buffer, ...] = attrs.field(default=(), repr=False)
     # per buffer: its positions in the table (for rebinding), shared by every copy
     refmap: dict[Any, Any] = attrs.field(default=None, repr=False)
     # the distinct expressions of ``syms``, in order, and per expression: (its table
@@ -119,6 +122,9 @@ class RunC(FusedRun):
     def buffers(self) -> tuple[Buffer, ...]:
         return tuple(b for _, b in self.refs)
 
+    def access(self) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        return self.reads, self.writes
+
     def bound(
         self, values: Mapping[Any, int] | None, rebind: Mapping[Buffer, Buffer] | None
     ) -> RunC:
@@ -137,12 +143,21 @@ class RunC(FusedRun):
                 positions = refmap.get(old)
                 if positions is not None:
                     table[positions] = new.va_addr
+            reads = tuple(rebind.get(b, b) for b in self.reads)
+            writes = tuple(rebind.get(b, b) for b in self.writes)
+            return self.with_table(table, reads, writes)
         return self.with_table(table)
 
-    def with_table(self, table: Any) -> RunC:
-        """The same run over another argument table (of the same layout). Built field by
-        field: a replay makes one of these per rebinding or per new value, and attrs'
-        ``__init__`` costs several microseconds more."""
+    def with_table(
+        self,
+        table: Any,
+        reads: tuple[Buffer, ...] | None = None,
+        writes: tuple[Buffer, ...] | None = None,
+    ) -> RunC:
+        """The same run over another argument table (of the same layout; on the buffers
+        ``reads`` and ``writes`` when rebound). Built field by field: a replay makes one of
+        these per rebinding or per new value, and attrs' ``__init__`` costs several
+        microseconds more."""
         new = object.__new__(RunC)
         setattr_ = object.__setattr__
         setattr_(new, "entry", self.entry)
@@ -151,6 +166,8 @@ class RunC(FusedRun):
         setattr_(new, "names", self.names)
         setattr_(new, "syms", self.syms)
         setattr_(new, "refs", self.refs)
+        setattr_(new, "reads", self.reads if reads is None else reads)
+        setattr_(new, "writes", self.writes if writes is None else writes)
         setattr_(new, "refmap", self.refmap)
         setattr_(new, "symbols", self.symbols)
         setattr_(new, "groups", self.groups)
@@ -214,9 +231,14 @@ def _table(
     return table, syms, refs, starts
 
 
-def build_runner(calls: Sequence[tuple[CKernel, Sequence[Entry]]], names: Sequence[str]) -> RunC:
+def build_runner(
+    calls: Sequence[tuple[CKernel, Sequence[Entry]]],
+    names: Sequence[str],
+    access: tuple[tuple[Buffer, ...], tuple[Buffer, ...]],
+) -> RunC:
     """One RunC for ``calls``: (kernel, its arguments as table entries: a buffer, an int or
-    an expression, with the range it must fit and what it is, for error messages).
+    an expression, with the range it must fit and what it is, for error messages);
+    ``access``: what the run reads and writes (``fusion.access_of``).
 
     Compiles nothing for this run: the generic runner (built once per process) calls each
     kernel through its trampoline (see :func:`trampoline`)."""
@@ -233,6 +255,8 @@ def build_runner(calls: Sequence[tuple[CKernel, Sequence[Entry]]], names: Sequen
         names=tuple(names),
         syms=tuple(syms),
         refs=tuple(refs),
+        reads=access[0],
+        writes=access[1],
     )
 
 

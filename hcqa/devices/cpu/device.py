@@ -48,6 +48,7 @@ from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
 from hcqa.devices.cpu.staging import Drain
+from hcqa.devices.fusion import access_of
 from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program, check_return
@@ -164,7 +165,7 @@ class CpuDevice(Device):
         each kernel through its trampoline, nothing compiled."""
         calls = [(e.program.kernel, entries(e)) for e in run]
         names = [e.program.name for e in run]
-        return build_runner(calls, names)  # type: ignore[arg-type]
+        return build_runner(calls, names, access_of(run))  # type: ignore[arg-type]
 
     def _inline(self, command: Any) -> bool:
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when
