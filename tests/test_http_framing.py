@@ -304,6 +304,39 @@ async def test_pipelined_requests_then_garbage_answer_in_order_then_400() -> Non
         assert statuses == [200, 200, 400] and closed
 
 
+UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+FRAME = b"\x81\x85abcd" + bytes(c ^ k for c, k in zip(b"hello", b"abcd" * 2, strict=False))
+OK = b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+BEFORE_UPGRADE = {
+    "a GET": b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a POST and a chunked POST": OK + CHUNKED + b"2\r\nhi\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("pieces", [0, 7])
+@pytest.mark.parametrize("before", list(BEFORE_UPGRADE))
+async def test_requests_pipelined_before_an_upgrade_are_all_answered(
+    before: str, pieces: int
+) -> None:
+    """A websocket upgrade is not served: the requests received before it are answered in
+    order, then the upgrade request itself (as plain HTTP, ``Connection: close``), then the
+    connection closes; the frame sent after it is never read as a request.
+
+    hcqa only: hypercorn (0.18, h11) answers the requests before it, then takes the upgrade
+    and, with a frame already sent behind it, raises h11's ``LocalProtocolError`` out of its
+    serve: the host ends and later connects are refused (recorded, not hcqa's parser)."""
+    data = BEFORE_UPGRADE[before]
+    n = data.count(b" HTTP/1.1\r\n")
+    async with host("hcqa") as port:
+        # closed at once, not after the 5 s keep-alive timeout
+        statuses, closed = await exchange(port, data + UPGRADE + FRAME, pieces=pieces, wait=2)
+        assert statuses == [200] * (n + 1) and closed
+        await still_answers(port)
+
+
 async def test_a_head_trickled_a_byte_at_a_time_is_served() -> None:
     async with host("hcqa") as port:
         head = b"GET /t HTTP/1.1\r\nHost: x\r\nX: " + b"v" * 6000 + b"\r\nConnection: close\r\n\r\n"

@@ -142,7 +142,7 @@ class OpenCLDevice(Device):
         """A launch whose vals and sizes are plain ints joins a native run (``runs.py``)."""
         return fusable(exec_)
 
-    def _fuse(self, run: Sequence[Any], *, at_submit: bool) -> ClRun:
+    def _fuse(self, run: Sequence[Any]) -> ClRun:
         """One ``hcqa_cl_run`` call over a table of the launches (nothing is compiled)."""
         return make_run(run)
 

@@ -48,7 +48,7 @@ import attrs
 
 from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
-from hcqa.devices.fusion import FusedRun
+from hcqa.devices.fusion import FusedRun, access_of
 from hcqa.devices.opencl.program import ClProgram, Patched
 
 __all__ = ["ClRun", "NativeRuns", "RunEvents", "fusable", "make_run", "one_cpu"]
@@ -91,6 +91,12 @@ class ClRun(FusedRun):
     firsts: tuple[tuple[ClProgram, Any], ...] = attrs.field(repr=False)
     lasts: tuple[tuple[ClProgram, Any], ...] = attrs.field(repr=False)
     symbols: tuple[Any, ...] = attrs.field(default=(), repr=False)
+    reads_writes: Any = attrs.field(default=None, repr=False)  # ``access``, made once
+
+    def access(self) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        if self.reads_writes is None:
+            object.__setattr__(self, "reads_writes", access_of(self.execs))
+        return self.reads_writes  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self.execs)
