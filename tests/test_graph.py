@@ -333,7 +333,8 @@ async def test_variables_change_results_and_bad_bindings_send_nothing(kind: str)
             hcqa.transfer(t1, out2)
             d1.compute_queue().exec(addk1, (o1, t1), vals=(k + 1, n)).submit()
         assert g.statistics().variables == ("k", "n")
-        assert g.statistics().native_runs == 0
+        # OpenCL fuses the two launches on d0, variables and all (opencl/runs.py)
+        assert g.statistics().native_runs == (1 if kind == "opencl" else 0)
 
         prev_out = np.zeros(8, I64)
         prev_o1 = np.zeros(8, I64)

@@ -100,8 +100,11 @@ async def test_a_resubmitted_queue_runs_its_launches_natively_with_numpy_results
         assert (await _read(y)).tolist() == (ey + 3).tolist()
 
 
-async def test_variables_stay_patched_between_fused_launches(gated: bool) -> None:
-    v = hcqa.Variable("v", -100, 100)
+async def test_variables_are_filled_into_the_run_at_each_submit(gated: bool) -> None:
+    """Launches with Variables fuse too: each submit binds its values into a copy of the
+    run's table (each submit in flight keeps its own), range-checked against the C type
+    before anything is queued."""
+    v = hcqa.Variable("v", -(1 << 40), 1 << 40)
     async with hcqa.open_device("opencl:0") as d:
         _gate(d, gated)
         shift = d.program("shift", SRC)
@@ -109,18 +112,23 @@ async def test_variables_stay_patched_between_fused_launches(gated: bool) -> Non
         await y.copyin(np.zeros(N, np.int32))
         q = d.compute_queue()
         q.exec(shift, (y,), vals=(1,), global_size=(N, 1, 1))
+        q.exec(shift, (y,), vals=(v,), global_size=(N, 1, 1))
         q.exec(shift, (y,), vals=(2,), global_size=(N, 1, 1))
-        q.exec(shift, (y,), vals=(v,), global_size=(N, 1, 1))  # patched in place
-        q.exec(shift, (y,), vals=(10,), global_size=(N, 1, 1))
-        q.exec(shift, (y,), vals=(20,), global_size=(N, 1, 1))
+        q.exec(shift, (y,), vals=(v * 2 + 1,), global_size=(N, 1, 1))
         fences = [q.submit({v: j - 50}) for j in range(8)]  # all in flight at once
         with trio.fail_after(10):
             for f in fences:
                 await f
-        expect = sum(1 + 2 + (j - 50) + 10 + 20 for j in range(8))
+        expect = sum(1 + (j - 50) + 2 + (2 * (j - 50) + 1) for j in range(8))
         assert (await _read(y)).tolist() == [expect] * N
-        plan = cast(Any, q)._fused_form()
-        assert plan is not None and sum(type(c) is ClRun for c in plan[0]) == 2
+        (run,) = [c for c in q._resolve({v: 0}) if type(c) is ClRun]
+        assert len(run) == 4 and run.symbols == (v, v * 2 + 1)
+        sent = d.compute.value
+        with pytest.raises(hcqa.InvalidCommand, match=r"'shift' val 's' must be in \[-2147"):
+            q.submit({v: 1 << 33})
+        assert d.compute.value == sent  # nothing was queued
+        await q.submit({v: -3})
+        assert (await _read(y)).tolist() == [expect + 1 - 3 + 2 - 5] * N
 
 
 async def test_a_run_waits_in_the_driver_for_another_queue(gated: bool) -> None:
@@ -173,9 +181,9 @@ async def test_a_refusal_inside_a_run_faults_the_device_with_the_drivers_error(
         await q.submit()
         (run,) = _sent_runs(q)
         table = run.table  # launch 1's first argument to set: an index the kernel lacks
-        # (launch 0 sets nothing: 9 words; launch 1's (index, size, value) from word 18)
-        assert table[17] >= 1 and table[18] == 0
-        table[18] = 99
+        at = 9 + 3 * table[8]  # launch 0: 9 words and its (index, size, value) entries
+        assert table[at + 8] == 1 and table[at + 9] == 0  # launch 1 sets argument 0 (z)
+        table[at + 9] = 99
         with pytest.raises(hcqa.DeviceFault) as info, trio.fail_after(4):
             await q.submit()
         assert isinstance(info.value.__cause__, cl.Error), info.value.__cause__

@@ -52,7 +52,10 @@ async def test_a_queue_resubmitted_with_new_values_sends_its_commands_as_built(
         template = list(q._commands)
         fences = [q.submit({i: j, v: 10 * j}) for j in range(n)]  # all in flight at once
         sent = q._resolve({i: 3, v: 5})
-        assert type(sent[0]) is cmd.Bind and sent[1:] == template  # no command rebuilt
+        if kind == "opencl":  # one native run: the values filled into a copy of its table
+            assert [type(c).__name__ for c in sent] == ["ClRun"]
+        else:
+            assert type(sent[0]) is cmd.Bind and sent[1:] == template  # no command rebuilt
         with trio.fail_after(10):
             for f in fences:
                 await f

@@ -6,22 +6,25 @@ A queue submitted again, or a graph replayed, sends the same launches each time;
 each from Python (its launch record, a PyOpenCL call, its event kept as a Python object and
 released one by one later) costs more per kernel than the driver's own enqueue. Through the
 fusion seam (``OpenCLDevice._fusable`` / ``_fuse``, :mod:`hcqa.devices.fusion`) each run of
-two or more launches whose arguments and geometry are plain ints becomes a :class:`ClRun`:
-a table the C function ``hcqa_cl_run`` (``runs.c``) walks, calling the driver's
-``clSetKernelArg`` for the arguments that differ from the kernel's previous launch in the run
-and ``clEnqueueNDRangeKernel`` per launch -- the first one with the wait list of the
-driver-kept waits before it -- then ``clFlush``. Each launch's event goes into a
-:class:`RunEvents` array the segment keeps until it completed (PoCL 3 touches the events
-of commands behind a failed one), released by one native call (``hcqa_cl_release``) when
-the segment is dropped. The last event (and the first, where a ``Timestamp`` before the run
-takes its START) becomes a PyOpenCL event, which the segment's completion and its callback
-use as for any command. While a tracer records, the executor enqueues a run's launches one by
-one instead (a device range each).
+two or more launches whose sizes are plain ints becomes a :class:`ClRun`: a table the C
+function ``hcqa_cl_run`` (``runs.c``) walks, calling the driver's ``clSetKernelArg`` for the
+arguments to set -- all of them at a kernel's first launch in the run, then those that differ
+from its previous launch -- and ``clEnqueueNDRangeKernel`` per launch -- the first one with
+the wait list of the driver-kept waits before it -- then ``clFlush``. Each launch's event goes
+into a :class:`RunEvents` array the segment keeps until it completed (PoCL 3 touches the
+events of commands behind a failed one), released by one native call (``hcqa_cl_release``)
+when the segment is dropped. The last event (and the first, where a ``Timestamp`` before the
+run takes its START) becomes a PyOpenCL event, which the segment's completion and its
+callback use as for any command. While a tracer records, the executor enqueues a run's
+launches one by one instead (a device range each). After the run each kernel's arguments are
+known to be its last launch's (``ClProgram.cl_args``: the per-launch path sets only what
+differs).
 
-The first launch of each kernel in the run takes the arguments of its table from Python
-(``ClProgram.set_args``, which sets those that differ from the kernel's); after the run each
-kernel's arguments are known to be its last launch's (``ClProgram.cl_args``). A launch whose
-vals hold Variables is not fused: its launch record is patched in place (``program.Patched``).
+Variables: a val that is a Variable (or an expression of them) is an argument set at every
+launch, its table entry listed in ``ClRun.syms``; a queue's submit or a graph's replay with new
+values asks for ``bound(values, rebind)`` (the fusion seam's ``FusedRun`` interface): a copy
+of the table with each value checked against the val's C type and written in, so every
+submit in flight keeps its own.
 
 Everything a launch is checked for -- geometry, arity, ranges, views -- was checked when its
 ``Exec`` was made, before anything was queued; the table holds OpenCL handles of memory the
@@ -50,6 +53,7 @@ from hcqa import commands as cmd
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.fusion import FusedRun, access_of
 from hcqa.devices.opencl.program import ClProgram, Patched
+from hcqa.errors import InvalidCommand
 
 __all__ = ["ClRun", "NativeRuns", "RunEvents", "fusable", "make_run", "one_cpu"]
 
@@ -86,10 +90,11 @@ class ClRun(FusedRun):
     names: tuple[str, ...]
     table: Any = attrs.field(repr=False)  # ctypes uint64 array (``runs.c``)
     address: int = attrs.field(repr=False)
-    # per program: the arguments of its first launch in the run (set from Python before
-    # the call) and of its last (the kernel's arguments after it)
-    firsts: tuple[tuple[ClProgram, Any], ...] = attrs.field(repr=False)
+    # per program: the arguments of its last launch in the run (the kernel's after it;
+    # None where a val is symbolic)
     lasts: tuple[tuple[ClProgram, Any], ...] = attrs.field(repr=False)
+    # symbolic vals: (table position, expression, lo, hi, what) -- filled by ``bound``
+    syms: tuple[tuple[int, Any, int, int, str], ...] = attrs.field(default=(), repr=False)
     symbols: tuple[Any, ...] = attrs.field(default=(), repr=False)
     reads_writes: Any = attrs.field(default=None, repr=False)  # ``access``, made once
 
@@ -111,77 +116,106 @@ class ClRun(FusedRun):
     def bound(
         self, values: Mapping[Any, int] | None, rebind: Mapping[Buffer, Buffer] | None
     ) -> ClRun:
-        """The same launches on the buffers of ``rebind`` (no symbols: nothing to fill)."""
-        if not rebind:
-            return self
-        execs = []
-        for e in self.execs:
-            bufs = tuple(rebind.get(b, b) for b in e.buffers)  # type: ignore[call-overload]
-            cast("ClProgram", e.program).check_buffers(bufs)  # a view it can't take: refused
-            execs.append(attrs.evolve(e, buffers=bufs))
-        return make_run(execs)
+        """The same launches on the buffers of ``rebind``, with the symbolic vals' values
+        (each checked against its C type) in a fresh copy of the table."""
+        run = self
+        if rebind:
+            execs = []
+            for e in self.execs:
+                bufs = tuple(rebind.get(b, b) for b in e.buffers)  # type: ignore[call-overload]
+                cast("ClProgram", e.program).check_buffers(bufs)  # a view it can't take
+                execs.append(attrs.evolve(e, buffers=bufs))
+            run = make_run(execs)
+        if not run.syms or values is None:
+            return run
+        table = type(run.table).from_buffer_copy(run.table)
+        for pos, expr, lo, hi, what in run.syms:
+            v = values[expr]
+            if not lo <= v <= hi:
+                raise InvalidCommand(f"{what} must be in [{lo}, {hi}] (got {v})")
+            table[pos] = v & _MASK
+        return attrs.evolve(run, table=table, address=ctypes.addressof(table))
+
+
+_MASK = (1 << 64) - 1
 
 
 def fusable(exec_: cmd.Exec) -> bool:
-    """An OpenCL launch whose vals and sizes are all plain ints."""
+    """An OpenCL launch whose sizes are plain ints (its vals may be symbolic)."""
     if not isinstance(exec_.program, ClProgram):
         return False
-    return all(type(v) is int for v in (*exec_.vals, *exec_.global_size, *exec_.local_size))
+    return all(type(v) is int for v in (*exec_.global_size, *exec_.local_size))
 
 
 def make_run(execs: Sequence[cmd.Exec]) -> ClRun:
     """The table of ``execs`` (each :func:`fusable`): per launch its kernel, NDRange, local
-    size and the arguments that differ from its kernel's previous launch in the run."""
+    size and the arguments to set -- all of them at a kernel's first launch in the run, then
+    those that differ from its previous launch, and every symbolic one."""
     words: list[int] = []
-    firsts: dict[ClProgram, Any] = {}
     lasts: dict[ClProgram, Any] = {}
-    encoded: dict[ClProgram, list[tuple[int, int]]] = {}
+    encoded: dict[ClProgram, list[tuple[int, Any]]] = {}
+    syms: list[tuple[int, Any, int, int, str]] = []
     for e in execs:
         prog: ClProgram = e.program  # type: ignore[assignment]
         rec = e.native if e.native is not None else prog.record(e)
         args = rec[3]
-        if isinstance(args, Patched):  # (fusable() refused these: defensive)
-            raise TypeError("a launch with variables can't be fused on OpenCL")
-        enc = _encode(prog, args)
+        concrete = not isinstance(args, Patched)
+        values: tuple[Any, ...] = args.args if isinstance(args, Patched) else args
+        enc = _encode(prog, values)
         words.append(int(rec[0].int_ptr))
         words.append(3)
         words.extend(rec[1])
         words.extend(rec[2])
         before = encoded.get(prog)
-        if before is None:  # the caller sets the first launch's arguments
-            firsts[prog] = args
-            changed: list[int] = []
+        if before is None:
+            changed = list(range(len(enc)))
         else:
-            if args == lasts[prog]:
+            if concrete and args == lasts[prog]:
                 args = lasts[prog]  # one tuple for equal arguments (identity is checked)
-            changed = [i for i, (a, b) in enumerate(zip(enc, before, strict=True)) if a != b]
+            changed = [
+                i
+                for i, (a, b) in enumerate(zip(enc, before, strict=True))
+                if a != b or a[1] is None
+            ]
         words.append(len(changed))
+        base = len(values) - len(prog._types)
         for i in changed:
-            words.extend((i, enc[i][0], enc[i][1]))
+            size, value = enc[i]
+            if value is None:  # symbolic: its value goes here at each bind
+                name, lo, hi = prog.val_ranges[i - base]  # type: ignore[index]
+                what = f"{prog.name!r} val {name!r}"
+                syms.append((len(words) + 2, values[i], lo, hi, what))
+                value = 0
+            words.extend((i, size, value))
         encoded[prog] = enc
-        lasts[prog] = args
+        lasts[prog] = args if concrete else None
     table = (ctypes.c_uint64 * len(words))(*words)
+    symbols = tuple(dict.fromkeys(s[1] for s in syms))
     return ClRun(
         tuple(execs),
         tuple(e.program.name for e in execs),
         table,
         ctypes.addressof(table),
-        tuple(firsts.items()),
         tuple(lasts.items()),
+        tuple(syms),
+        symbols,
     )
 
 
-def _encode(prog: ClProgram, args: tuple[Any, ...]) -> list[tuple[int, int]]:
-    """(size, value) per argument, as ``clSetKernelArg`` takes it."""
+def _encode(prog: ClProgram, args: tuple[Any, ...]) -> list[tuple[int, Any]]:
+    """(size, value) per argument, as ``clSetKernelArg`` takes it (value None: symbolic)."""
     types = prog._types
     base = len(args) - len(types)
-    out: list[tuple[int, int]] = []
+    out: list[tuple[int, Any]] = []
     for i, a in enumerate(args):
         if i < base:
             out.append((_MEM_SIZE, int(a.int_ptr)))
         else:
             size = types[i - base]().itemsize
-            out.append((size, int(a) & ((1 << (8 * size)) - 1)))
+            if type(a) is not int:
+                out.append((size, None))
+            else:
+                out.append((size, a & ((1 << (8 * size)) - 1)))
     return out
 
 
@@ -201,9 +235,6 @@ class NativeRuns:
     ) -> tuple[Any, Any]:
         """Enqueue ``run``'s launches by one native call (``runs.py``); (its first event when
         ``head``, else None; its last event), as PyOpenCL events. ``keep`` gets them all."""
-        for prog, args in run.firsts:  # the kernels' arguments at their first launch
-            if prog.cl_args is not args:
-                prog.set_args(args)
         n = len(run.execs)
         events = RunEvents(n, self._native.release)
         keep.append(events)
@@ -226,7 +257,7 @@ class NativeRuns:
                 f"(clSetKernelArg / clEnqueueNDRangeKernel status {ctypes.c_int64(words[n]).value})"
             )
         for prog, args in run.lasts:
-            prog.cl_args = args
+            prog.cl_args = () if args is None else args
         wrap = self._cl.Event.from_int_ptr
         last = wrap(words[n - 1], retain=True)
         return (wrap(words[0], retain=True) if head else None), last
