@@ -280,6 +280,7 @@ class Hosted:
             dtype=pack.row_dtype,
             depth=target.depth,
             name=self.name,
+            serial=target.serial,
         )
 
     def _wake_waiters(self) -> None:
