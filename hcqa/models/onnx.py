@@ -178,9 +178,7 @@ async def load_onnx(
     else:
         session = await trio.to_thread.run_sync(_session, p)
         for rows in buckets_for:
-            buckets[rows], outputs = await _ort_bucket(
-                device, session, specs, max(rows, 1), depth
-            )
+            buckets[rows], outputs = await _ort_bucket(device, session, specs, max(rows, 1), depth)
     if batched:
         for s in outputs:
             if not s.shape or s.shape[0] != max(buckets_for):
