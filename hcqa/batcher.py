@@ -18,10 +18,10 @@ requests, up to ``max_batch`` of them, as one batch when
 A *serial* target (a ``models.Model``: its slots share one set of buffers, so its batches
 run one after another) takes a second batch only to queue it behind the running one, so
 that the device goes on without waiting for the event loop. A batch that is not full gains
-nothing by leaving early there: it would only wait on the device, with fewer rows. So for a
-serial target a batch that is not full leaves at the later of its ``max_wait`` and the
-running batch's expected end less a lead (a quarter of a batch's time, at least
-``max_wait``), the batches' time measured as it runs (an average of the last few).
+nothing by leaving early there: it would only wait on the device, with fewer rows, and the
+rows that arrive meanwhile would make a batch more. So while a serial target runs a batch,
+only a full one is queued behind it; one that is not full waits for the running batch to
+end, as with one slot.
 
 Each batch runs in its own task: the samples are stacked into one array (for a
 pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
@@ -145,9 +145,6 @@ class Batcher:
         self._cancelled = 0
         self._waits: collections.deque[float] = collections.deque(maxlen=_WAIT_HISTORY)
         self._wait_total = 0.0
-        self._took = math.nan  # a batch's time on a serial target, a moving average
-        self._last_end = -math.inf
-        self._starts: list[float] = []  # when each running batch was dispatched
 
     async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
@@ -225,16 +222,13 @@ class Batcher:
                 if self._in_flight >= self.depth:
                     await self._sleep(math.inf)
                     continue
+                full = len(self._pending) >= self.max_batch
+                if self.serial and self._in_flight and not full and not self._closed:
+                    await self._sleep(math.inf)  # it grows until full or the running one ends
+                    continue
                 deadline = self._pending[0].arrived + self.max_wait
-                if self.serial and self._in_flight and not math.isnan(self._took):
-                    began = max(self._starts[0], self._last_end)  # the running batch's start
-                    lead = max(self.max_wait, self._took / 4)
-                    deadline = max(deadline, began + self._took - lead)
                 ready = (
-                    len(self._pending) >= self.max_batch
-                    or self._in_flight == 0
-                    or self._closed
-                    or trio.current_time() >= deadline
+                    full or self._in_flight == 0 or self._closed or trio.current_time() >= deadline
                 )
                 if not ready:
                     await self._sleep(deadline)
@@ -242,9 +236,7 @@ class Batcher:
                 n = min(self.max_batch, len(self._pending))
                 batch = [self._pending.popleft() for _ in range(n)]
                 self._in_flight += 1
-                dispatched = trio.current_time()
-                self._starts.append(dispatched)
-                nursery.start_soon(self._run_batch, batch, dispatched, name=self._task_name)
+                nursery.start_soon(self._run_batch, batch, name=self._task_name)
             # closed and nothing pending: the nursery waits for the running batches
 
     @property
@@ -260,7 +252,7 @@ class Batcher:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 await self._wake.wait()
 
-    async def _run_batch(self, batch: list[_Request], dispatched: float) -> None:
+    async def _run_batch(self, batch: list[_Request]) -> None:
         now = trio.current_time()
         n = len(batch)
         waits = [now - r.arrived for r in batch]
@@ -304,17 +296,7 @@ class Batcher:
             for r in batch:
                 r.done.set()
             self._in_flight -= 1
-            self._timed(dispatched)
             self._wake.set()
-
-    def _timed(self, dispatched: float) -> None:
-        """Note a batch's time: from when it could start (its dispatch, or the end of the
-        batch before it) to its end."""
-        end = trio.current_time()
-        took = end - max(dispatched, self._last_end)
-        self._took = took if math.isnan(self._took) else 0.75 * self._took + 0.25 * took
-        self._last_end = end
-        self._starts.remove(dispatched)
 
     def _close(self, *, failed: bool) -> None:
         self._closed = True
@@ -370,8 +352,8 @@ async def open_batcher(
     target is busy; when nothing runs, a batch goes at once. ``max_pending``: a call that
     finds that many requests waiting raises ``QueueFull`` (None: no limit). ``name`` (a served
     model's) names the batch tasks and, in a trace, the batches' track. ``serial``: the
-    target runs its batches one after another (a ``models.Model``), so a batch that is not
-    full waits past ``max_wait`` until the running batch is about to end (see the module doc).
+    target runs its batches one after another (a ``models.Model``), so while one runs only a
+    full batch is queued behind it (see the module doc).
 
     Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
     trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.

@@ -161,6 +161,32 @@ async def test_a_partial_batch_goes_after_max_wait_when_a_slot_is_free(
     assert stats.queue_wait_p50 == 0.0
 
 
+async def test_a_serial_target_queues_only_a_full_batch_behind_a_running_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A serial target (a ``models.Model``) runs its batches one after another: a partial
+    batch waits past max_wait for the running one to end, growing; a full one goes at once."""
+    target = Recorder(gated=True)
+    async with opened(target, max_batch=2, max_wait=0.5, depth=2, serial=True) as batch:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batch, sample(0))
+            await target.entered.wait()  # batch 1 runs and blocks
+            target.entered = trio.Event()
+            nursery.start_soon(batch, sample(1))
+            await trio.sleep(5.0)  # ten times max_wait: it still waits, the target being busy
+            assert len(target.batches) == 1
+            nursery.start_soon(batch, sample(2))
+            await target.entered.wait()  # now full: queued behind batch 1 at once
+            assert len(target.batches) == 2
+            target.entered = trio.Event()
+            nursery.start_soon(batch, sample(3))
+            await trio.testing.wait_all_tasks_blocked()
+            target.gate.set()  # both end; the partial one goes once they have
+        stats = batch.statistics()
+    assert [len(b) for b in target.batches] == [1, 2, 1]
+    assert stats.queue_wait_p99 == pytest.approx(5.0)
+
+
 async def test_a_cancelled_pending_caller_leaves_the_queue() -> None:
     target = Recorder(gated=True)
     async with opened(target) as batch:
