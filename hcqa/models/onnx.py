@@ -31,7 +31,7 @@ import functools
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,15 +133,17 @@ async def load_onnx(
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     name: str | None = None,
     depth: int = 2,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Model:
     """Load the ONNX model at ``path`` onto ``device`` as captured graphs (see the module doc).
 
     ``depth``: calls in flight at once (each batch size captured that many times over the same
-    device buffers: call ``k + 1`` is queued while call ``k`` runs)."""
+    device buffers: call ``k + 1`` is queued while call ``k`` runs). ``progress(k, n)`` is
+    called before the ``k``-th of the ``n`` batch sizes is built (``hcqa serve`` shows it)."""
     if aio.asyncio_caller():
         return await aio.call(
             load_onnx, path, device=device, backend=backend, batch_sizes=batch_sizes, name=name,
-            depth=depth,
+            depth=depth, progress=progress,
         )  # fmt: skip
     kind = device_kind(device)
     if backend not in BACKENDS:
@@ -167,7 +169,9 @@ async def load_onnx(
     if backend == "tinygrad":
         weights: dict[bytes, Any] = {}  # shared by the buckets
         try:
-            for rows in buckets_for:
+            for k, rows in enumerate(buckets_for, 1):
+                if progress is not None:
+                    progress(k, len(buckets_for))
                 lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
                 buckets[rows] = await build(device, lifted, weights, depth=depth)
                 outputs = tuple(s for s, _ in lifted.outputs)
@@ -177,7 +181,9 @@ async def load_onnx(
                     await trio.to_thread.run_sync(sys.modules["hcqa.models._tinygrad"].release)
     else:
         session = await trio.to_thread.run_sync(_session, p)
-        for rows in buckets_for:
+        for k, rows in enumerate(buckets_for, 1):
+            if progress is not None:
+                progress(k, len(buckets_for))
             buckets[rows], outputs = await _ort_bucket(device, session, specs, max(rows, 1), depth)
     if batched:
         for s in outputs:
