@@ -51,6 +51,7 @@ __all__ = [
     "Command",
     "Copy",
     "Exec",
+    "Fused",
     "HostMemoryRef",
     "Load",
     "MemoryBarrier",
@@ -126,6 +127,22 @@ class Exec:
         args, kernel = self.args, self.program.kernel
         ready = None if args is None or kernel is None else functools.partial(kernel.fn, *args)
         object.__setattr__(self, "call", ready)
+
+
+class Fused:
+    """Base of a backend's fused command: several launches run as one call
+    (``hcqa/devices/fusion.py``, whose ``FusedRun`` subclasses this; the actors name it
+    through this base). ``names``: the kernels, in order; :meth:`access`: the buffers the
+    run reads and writes -- what a batch that fails does not run, and the data it leaves
+    unwritten (``actors/actor.py``, ``LOST``)."""
+
+    __slots__ = ()
+
+    names: tuple[str, ...]
+
+    def access(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """The buffers the run reads before it writes them, and those it writes."""
+        raise NotImplementedError
 
 
 @attrs.frozen(kw_only=True)

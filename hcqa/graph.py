@@ -50,7 +50,7 @@ Cancelling the awaiting task does not cancel device work: the devices stay usabl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
@@ -61,6 +61,7 @@ from hcqa import commands as cmd
 from hcqa._graph.build import Node, Part, Plan, build
 from hcqa._graph.patch import check_rebind, rebind_command, resolve_all
 from hcqa.actors import Batch
+from hcqa.actors.actor import LOST
 from hcqa.devices.buffer import hazard_waits
 from hcqa.devices.capture import capturing, current_capture
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand, QueueFull, work_owner
@@ -273,6 +274,9 @@ class Graph:
                 raise QueueFull(
                     f"{part.actor.name} queue is full: await the graph to apply backpressure"
                 )
+        if LOST:  # a failed batch left data unwritten (rare: see QueueActor._fail)
+            for hz in _written_unless_lost(self._nodes, rebind):
+                LOST.pop(hz, None)  # written by this replay: valid again
         # Boundary hazards first, for all parts, before any of this replay is recorded.
         if rebind is None:
             heads = [hazard_waits(p.actor, p.reads, p.writes) for p, _, _ in resolved]
@@ -406,6 +410,29 @@ def _swap(
 
 
 _PLACEHOLDER: list[Signal] = []
+
+
+def _written_unless_lost(
+    nodes: Sequence[Node], rebind: Mapping[Buffer, Buffer] | None
+) -> list[Any]:
+    """Refuse a replay that reads what a failed batch was to write, as eager work is
+    refused (``Device._submit``), before anything is sent; else the allocations (hazard
+    records) it writes. Walks the nodes in capture order: what an earlier node of the replay
+    writes is valid for a later one."""
+    written: dict[int, Any] = {}
+    for n in nodes:
+        for b in n.reads:
+            b = rebind.get(b, b) if rebind else b
+            hz = b._hazards
+            cause = None if id(hz) in written else LOST.get(hz)
+            if cause is not None:
+                error = DeviceClosed(f"{b!r} holds no valid data: {cause}")
+                error.__cause__ = cause
+                raise error
+        for b in n.writes:
+            hz = (rebind.get(b, b) if rebind else b)._hazards
+            written[id(hz)] = hz
+    return list(written.values())
 
 
 def _placeholder() -> Signal:

@@ -246,7 +246,7 @@ class SyncFusingDevice(SyncDevice):
     def _fusable(self, exec_: cmd.Exec) -> bool:
         return exec_.program.kernel is None
 
-    def _fuse(self, run: Any, *, at_submit: bool) -> PyRun:
+    def _fuse(self, run: Any) -> PyRun:
         symbols = {
             v: None for e in run for v in (*e.vals, *e.global_size, *e.local_size)
             if isinstance(v, Variable)

@@ -3,7 +3,8 @@ names opens here (or is skipped, with the product's own reason, where its extra,
 GPU is missing -- a GPU run covers it), a
 kind that opens is never called "planned", every device spec in a docstring is one that
 ``parse_spec`` accepts and whose backend exists, and serving.md's access-log sample has the
-shape of a line the server really writes.
+shape of a line the server really writes, and the README's commands each make an
+environment of their own.
 
 (Every ```python block of the docs is run by ``test_docs.py``.)
 """
@@ -127,6 +128,18 @@ def test_every_spec_in_a_docstring_is_one_this_hcqa_opens() -> None:
     for where, spec in specs:
         kind, _, _ = backends.parse_spec(spec)  # accepted: an InvalidCommand fails here
         assert _exists(kind), f"{where}: {spec!r} names a kind this hcqa can't open"
+
+
+def test_the_readme_commands_each_make_their_own_environment() -> None:
+    """Both README commands made ``.venv`` in the same folder: the test run reused the demo's
+    environment instead of the fresh one it looked like."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", text, re.S)
+    made = [m for block in blocks for m in re.findall(r"python3 -m venv (\S+)", block)]
+    assert len(made) >= 2, blocks
+    assert len(set(made)) == len(made), f"README commands share a venv: {made}"
+    for name in made:
+        assert f". {name}/bin/activate" in text, name  # each activates the one it made
 
 
 def test_the_access_log_sample_is_the_shape_of_a_real_line(tmp_path: Path) -> None:

@@ -1,13 +1,17 @@
 """The HTTP border under attack, as raw bytes over a socket: request smuggling, limits, and
 requests that must not take the server down. Each case asserts the status, that the
-connection is closed after it, and that the server still answers a fresh connection.
+connection is closed after it, that the server still answers a fresh connection, and that a
+connection opened before it (a request in flight) is answered too: no case cuts another.
 
 The same cases run against hypercorn (``serve(http="hypercorn")``'s host); where it answers
 otherwise, the case says so in ``HYPERCORN`` (recorded, not fixed: it is not hcqa's parser).
+What made hypercorn raise out of a connection (``BREAKERS``) must end that connection only
+(:mod:`hcqa.serve.hypercorn_worker`'s guard).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -54,21 +58,23 @@ class Echo:
         await send({"type": "http.response.body", "body": out})
 
 
-def _hypercorn_start() -> Any:
+def _hypercorn_start(**options: Any) -> Any:
     from hcqa.serve.server import _hypercorn
 
     # keep-alive 1 s: where hypercorn answers an error and keeps the connection, the case
     # waits for this close (5 s made its ten such cases 50 s of the suite)
-    return _hypercorn("127.0.0.1", 0, 1.0, None, "critical", {"keep_alive_timeout": 1})
+    options = {"keep_alive_timeout": 1, **options}
+    return _hypercorn("127.0.0.1", 0, 1.0, None, "critical", options)
 
 
 @asynccontextmanager
 async def host(kind: str, **options: Any) -> AsyncIterator[int]:
-    """Serve :class:`Echo` with hcqa's HTTP server or hypercorn; yield the port."""
+    """Serve :class:`Echo` with hcqa's HTTP server or hypercorn (``options``: its ``Config``'s
+    attributes); yield the port."""
     start: Any = (
         partial(serve_http, host="127.0.0.1", port=0, **options)
         if kind == "hcqa"
-        else _hypercorn_start()
+        else _hypercorn_start(**options)
     )
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(start, Echo(), shutdown_trigger=trio.sleep_forever))
@@ -109,6 +115,38 @@ async def exchange(
 async def still_answers(port: int) -> None:
     statuses, _ = await exchange(port, b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert statuses == [200], statuses
+
+
+async def answer(stream: trio.SocketStream) -> bytes:
+    """Read one ``200`` response with a ``Content-Length`` from ``stream``: its body."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"closed before an answer (got {got!r})"
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    assert length is not None, head
+    while len(body) < int(length[1]):
+        chunk = await stream.receive_some(65536)
+        assert chunk, f"closed in an answer (got {got!r})"
+        body += chunk
+    return body
+
+
+async def in_flight(port: int) -> trio.SocketStream:
+    """A connection with a request in flight: its head and half its body sent."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nab")
+    return stream
+
+
+async def finish(stream: trio.SocketStream) -> None:
+    """Send the rest of :func:`in_flight`'s request: it is answered, the connection whole."""
+    async with stream:
+        await stream.send_all(b"cd")
+        assert await answer(stream) == b"POST /slow abcd"
 
 
 HOSTS = pytest.mark.parametrize("kind", ["hcqa", "hypercorn"])
@@ -267,12 +305,14 @@ async def test_framing_cases(kind: str, case: str) -> None:
     if kind == "hypercorn":
         want = HYPERCORN.get(case, want)
     async with host(kind) as port:
+        slow = await in_flight(port)  # a connection opened before is not cut either
         got = await exchange(port, data, wait=10 if want is not None else 1)
         if want is None:
             assert got[0] == []
         else:
             assert got == want
         await still_answers(port)
+        await finish(slow)
 
 
 # -- what must be accepted ---------------------------------------------------------------------
@@ -302,6 +342,138 @@ async def test_pipelined_requests_then_garbage_answer_in_order_then_400() -> Non
         chunked = CHUNKED + b"2;x=y\r\nhi\r\n0\r\nT: v\r\n\r\n"
         statuses, closed = await exchange(port, ok + chunked + b"GARBAGE\r\n\r\n" + ok)
         assert statuses == [200, 200, 400] and closed
+
+
+UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+FRAME = b"\x81\x85abcd" + bytes(c ^ k for c, k in zip(b"hello", b"abcd" * 2, strict=False))
+OK = b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi"
+BEFORE_UPGRADE = {
+    "a GET": b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a POST and a chunked POST": OK + CHUNKED + b"2\r\nhi\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("pieces", [0, 7])
+@pytest.mark.parametrize("before", list(BEFORE_UPGRADE))
+async def test_requests_pipelined_before_an_upgrade_are_all_answered(
+    before: str, pieces: int
+) -> None:
+    """A websocket upgrade is not served: the requests received before it are answered in
+    order, then the upgrade request itself (as plain HTTP, ``Connection: close``), then the
+    connection closes; the frame sent after it is never read as a request.
+
+    hcqa only: hypercorn (0.18, h11) answers the requests before it, then takes the upgrade
+    and answers it ``400`` (below: what it must not do beyond that)."""
+    data = BEFORE_UPGRADE[before]
+    n = data.count(b" HTTP/1.1\r\n")
+    async with host("hcqa") as port:
+        # closed at once, not after the 5 s keep-alive timeout
+        statuses, closed = await exchange(port, data + UPGRADE + FRAME, pieces=pieces, wait=2)
+        assert statuses == [200] * (n + 1) and closed
+        await still_answers(port)
+
+
+#: a websocket upgrade with bytes behind it, sent before its answer: each made hypercorn 0.18
+#: raise h11's ``LocalProtocolError`` out of the connection, which ended its whole server
+BREAKERS = {
+    "an upgrade and a frame": UPGRADE + FRAME,
+    "a GET, an upgrade and a frame": BEFORE_UPGRADE["a GET"] + UPGRADE + FRAME,
+    "two POSTs, an upgrade and garbage": (
+        BEFORE_UPGRADE["a POST and a chunked POST"] + UPGRADE + b"GARBAGE\r\n\r\n"
+    ),
+    "a HEAD, an upgrade and a close frame": (
+        b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\n" + UPGRADE + b"\x88\x80abcd"
+    ),
+}
+
+
+@pytest.mark.parametrize("pieces", [0, 7])
+@pytest.mark.parametrize("case", list(BREAKERS))
+@HOSTS
+async def test_an_upgrade_with_bytes_behind_it_ends_only_its_connection(
+    kind: str, case: str, pieces: int
+) -> None:
+    data = BREAKERS[case]
+    n = data.count(b" HTTP/1.1\r\n") - 1  # the requests before the upgrade
+    async with host(kind) as port:
+        slow = await in_flight(port)
+        statuses, closed = await exchange(port, data, pieces=pieces, wait=2)
+        assert statuses[:n] == [200] * n and len(statuses) == n + 1 and closed, statuses
+        await still_answers(port)
+        await finish(slow)
+
+
+async def test_a_connection_that_breaks_hypercorn_ends_only_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """hypercorn 0.18 raises h11's ``LocalProtocolError`` out of a connection that pipelines a
+    request, a websocket upgrade and a frame (whatever the app does with websockets): hcqa's
+    worker keeps it in that connection -- logged once, with the peer, and closed -- while a
+    connection idle since its last answer, one with a request in flight and a new one are
+    all served."""
+    async with host("hypercorn", keep_alive_timeout=30) as port:
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        await idle.send_all(b"GET /idle HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await answer(idle) == b"GET /idle "
+        slow = await in_flight(port)
+        with caplog.at_level(logging.ERROR, "hcqa.serve.hypercorn_worker"):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as bad:
+                ip, client_port = bad.socket.getsockname()[:2]
+                peer = f"{ip}:{client_port}"
+                await bad.send_all(BEFORE_UPGRADE["a GET"] + UPGRADE + FRAME)
+                with trio.fail_after(5):  # closed at once, not at the keep-alive timeout
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        while await bad.receive_some(65536):
+                            pass
+        await still_answers(port)
+        async with idle:
+            await idle.send_all(b"GET /again HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await answer(idle) == b"GET /again "
+        await finish(slow)
+    logged = [r for r in caplog.records if r.name == "hcqa.serve.hypercorn_worker"]
+    assert len(logged) == 1 and peer in logged[0].getMessage(), caplog.text
+    assert "LocalProtocolError" in caplog.text
+
+
+def test_the_hypercorn_guard_is_built_only_for_the_versions_it_knows() -> None:
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.trio.tcp_server import TCPServer
+
+    from hcqa.serve import hypercorn_worker as hw
+
+    assert hw.UNGUARDED is None  # the installed hypercorn is one it knows
+    assert hw._unguardable("0.18.0", worker_serve, TCPServer) is None
+    for version in ("0.17.2", "0.19.0", "1.0", "dev"):
+        reason = hw._unguardable(version, worker_serve, TCPServer)
+        assert reason is not None and f"hypercorn {version} is not a version" in reason
+
+    async def other_worker() -> None:
+        pass
+
+    assert "no longer looks up TCPServer" in str(hw._unguardable("0.18.1", other_worker, TCPServer))
+
+    class OtherServer:
+        def __init__(self, app: Any, config: Any, stream: Any) -> None:
+            pass
+
+    assert "takes other arguments" in str(hw._unguardable("0.18.1", worker_serve, OtherServer))
+
+
+async def test_an_unknown_hypercorn_is_served_unguarded_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hcqa.serve import hypercorn_worker as hw
+
+    monkeypatch.setattr(hw, "UNGUARDED", "hypercorn 9.9 is not a version hcqa's guard knows")
+    monkeypatch.setattr(hw, "_worker", None)
+    with caplog.at_level(logging.WARNING, "hcqa.serve.hypercorn_worker"):
+        async with host("hypercorn") as port:
+            await still_answers(port)
+    assert "hypercorn 9.9 is not a version" in caplog.text
+    assert "serving unguarded" in caplog.text
 
 
 async def test_a_head_trickled_a_byte_at_a_time_is_served() -> None:

@@ -54,6 +54,29 @@ def _tiny(path: Path, op: str = "Relu", domain: str = "") -> Path:
     return path
 
 
+def _einsum(path: Path, equation: str) -> Path:
+    """relu(x[N, 6]) then Einsum ``equation`` with W[6, 5]: tinygrad's front end knows the
+    operator but fails on some equations (an output letter repeated: an IndexError)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((6, 5), np.float32), "W")
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="pre"),
+        helper.make_node("Einsum", ["h", "W"], ["y"], name="mix", equation=equation),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "einsum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def squeezenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return with_weights("squeezenet", tmp_path_factory.mktemp("zoo"), batch=True, side=SIDE)
@@ -128,6 +151,12 @@ async def test_bad_onnx_input_is_refused_by_name(tmp_path: Path) -> None:
             await models.load_onnx(tmp_path / "missing.onnx", device=dev)
         with pytest.raises(hcqa.InvalidCommand, match=r"node 1 \(act\): operator 'Frobnicate'"):
             await models.load_onnx(custom, device=dev)
+        einsum = _einsum(tmp_path / "einsum.onnx", "ij,jk->ikk")  # known, but fails to lower
+        with pytest.raises(
+            hcqa.InvalidCommand,
+            match=r"einsum.onnx' node 1 \(mix\): operator 'Einsum' can't be lowered .*IndexError",
+        ):
+            await models.load_onnx(einsum, device=dev, batch_sizes=(2,))
         with pytest.raises(hcqa.InvalidCommand, match="'backend' must be one of"):
             await models.load_onnx(custom, device=dev, backend="tvm")
         with pytest.raises(hcqa.InvalidCommand, match=r"'batch_sizes' must be ints >= 1"):

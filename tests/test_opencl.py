@@ -368,6 +368,20 @@ async def test_timing_from_profiling_counters() -> None:
             assert abs(g.clock_offset_ns() - true) < 200_000
 
 
+async def test_the_clock_offset_is_the_smallest_of_the_last_64_samples() -> None:
+    """What opencl.md says: each sample is the offset plus a delay that is never negative, so
+    the offset is the smallest recent sample (a median would keep a loaded host's delays),
+    over a window of 64 that follows the clocks' drift."""
+    async with hcqa.open_device("opencl:0") as g:
+        assert isinstance(g, OpenCLDevice)
+        base = g.clock_offset_ns()
+        delays = [500, 40, 9000, 300, 7, 12_000, 60]  # a loaded host: most samples late
+        g._offsets.extend(base + d for d in delays)
+        assert g.clock_offset_ns() == base + min(0, *delays)
+        g._offsets.extend([base + 1000] * 64)  # the window moved on: older samples gone
+        assert len(g._offsets) == 64 and g.clock_offset_ns() == base + 1000
+
+
 async def test_driver_failure_at_enqueue_is_a_sticky_device_fault() -> None:
     async with hcqa.open_device("opencl:0") as g:
         y = g.alloc(shape=(4,), dtype="int32")

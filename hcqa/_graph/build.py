@@ -270,10 +270,10 @@ def build_part(
     nsig += 1  # the part's final signal
     patches.append((len(template), "signal", nsig))
     template.append(None)
-    # The runs are made ``at_submit`` too: a capture ends on the caller's task (the event
-    # loop), where a compile would block it; the generic runner was loaded with the
-    # programs (``program_async``), so nothing is compiled here.
-    template, patches, fused = fuse(template, patches, at_submit=True)
+    # A capture ends on the caller's task (the event loop), where a compile would block
+    # it: ``Device._fuse`` builds nothing (the cpu backend's generic runner was loaded with
+    # the programs, ``program_async``).
+    template, patches, fused = fuse(template, patches)
     slots: list[tuple[int, CommandSlot | RunSlot]] = []
     values: list[tuple[int, str, Any]] = []
     for index, kind, data in patches:
@@ -314,8 +314,8 @@ def fuse_batch(
     """A built queue's commands with their runs of C kernels fused, for a queue submitted
     again or with variables: the template, and the slots to build per new set of values
     (positions in the template; none for a queue without variables); None when nothing
-    fuses. ``symbolic``: the positions of the commands that hold variables. The runs are
-    made ``at_submit`` (``Device._fuse``): nothing is compiled on the caller's task."""
+    fuses. ``symbolic``: the positions of the commands that hold variables. Nothing is
+    compiled on the caller's task (``Device._fuse`` builds nothing)."""
     template: list[Any] = []
     patches: list[tuple[int, str, Any]] = []
     for i, c in enumerate(commands):
@@ -324,7 +324,7 @@ def fuse_batch(
             template.append(None)
         else:  # static, or an Exec: fuse makes a slot of it if it must
             template.append(c)
-    template, patches, fused = fuse(template, patches, at_submit=True)
+    template, patches, fused = fuse(template, patches)
     if not fused:
         return None
     slots: list[tuple[int, CommandSlot | RunSlot]] = [

@@ -61,6 +61,13 @@ __all__ = ["Batch", "QueueActor", "QueueOwner", "QueueStatistics"]
 
 _WORK = (cmd.Exec, cmd.Copy, cmd.Load)  # what a failed batch does not run (see _fail)
 
+
+def _is_work(c: Any) -> bool:
+    """Whether ``c`` is work a failed batch does not run: a launch, a copy, a load, or a
+    backend's fused run of launches (``cmd.Fused``)."""
+    return type(c) in _WORK or isinstance(c, cmd.Fused)
+
+
 # Allocations (their hazard records, ``Buffer._hazards``) whose contents a failed batch was
 # to write: a later batch that reads one fails the same way (``Device._submit`` checks at
 # submit, the actor the batches already queued behind the failed one); a write clears it.
@@ -79,12 +86,17 @@ def _uses(c: Any) -> tuple[list[Any], list[Any]]:
         return ([src] if src is not None else []), ([dest] if dest is not None else [])
     if kind is cmd.Load:
         return [], [c.dest._hazards]
+    if isinstance(c, cmd.Fused):
+        reads, writes = c.access()
+        return [b._hazards for b in reads], [b._hazards for b in writes]
     return [], []
 
 
 def _describe(c: Any) -> str:
     if type(c) is cmd.Exec:
         return f"kernel {c.program.name!r}"
+    if isinstance(c, cmd.Fused):
+        return "kernels " + ", ".join(repr(n) for n in c.names)
     return "a copy" if type(c) is cmd.Copy else f"a load of {c.path!r}"
 
 
@@ -373,12 +385,12 @@ class QueueActor:
         self, rest: list[Any], run: list[Any], sig: Signal | None, cause: BaseException
     ) -> None:
         """This batch needed what another queue's abandoned (or itself failed) work was to
-        write: its work (``rest``'s kernels, copies, loads) is not run and its later Waits
-        are dropped; its bookkeeping still runs, so the queue and the timeline go on. The
-        values it sets are marked failed with a :class:`DeviceClosed` naming the work and
+        write: its work (``rest``'s kernels, fused runs, copies, loads) is not run and its
+        later Waits are dropped; its bookkeeping still runs, so the queue and the timeline go
+        on. The values it sets are marked failed with a :class:`DeviceClosed` naming the work and
         ``sig``: its fence raises it, and so does a batch of another queue that waited for
         exactly this one (the failure travels along the dependency, not to the device)."""
-        work = [c for c in rest if type(c) in _WORK]
+        work = [c for c in rest if _is_work(c)]
         what = ", ".join(_describe(c) for c in work[:3]) or "a batch"
         if len(work) > 3:
             what += f" and {len(work) - 3} more"
@@ -395,7 +407,7 @@ class QueueActor:
         self._suspect = self.sent - self.received  # queued behind it: checked (_batch)
         for c in rest:
             kind = type(c)
-            if kind in _WORK or kind is cmd.Wait:
+            if kind is cmd.Wait or _is_work(c):
                 continue
             if kind is cmd.Signal:
                 c.signal._fail_value(c.value, error)
@@ -410,7 +422,7 @@ class QueueActor:
         """Fail this batch (True) when its work reads what a failed batch was to write;
         its writes clear what they overwrite."""
         for c in commands:
-            if type(c) in _WORK:
+            if _is_work(c):
                 reads, writes = _uses(c)
                 for hz in reads:
                     cause = LOST.get(hz)

@@ -105,8 +105,8 @@ class DeviceStatistics:
 
 
 class Device(Faults, HostCopies, Lifetime, FastPaths):
-    """Base class of the devices (``cpu:N``, ``opencl:N``; ``hcqa.devices.backends`` lists the
-    kinds)."""
+    """Base class of the devices (``cpu:N``, ``opencl:N``, ``cuda:N``;
+    ``hcqa.devices.backends`` lists the kinds)."""
 
     kind: ClassVar[str] = "?"
     # The HCQ builder (hcqa.queue.Queue), which registers itself here when imported (``import

@@ -9,10 +9,11 @@ one call of its own says so through two methods of its :class:`~hcqa.devices.Dev
 
 * ``_fusable(exec_)`` -- whether this ``Exec`` may join a fused run (the cpu backend: a C
   kernel whose arguments a table can carry);
-* ``_fuse(run, at_submit=...)`` -- one command that runs every ``Exec`` of ``run`` (two or
-  more fusable launches in a row on one queue), in order: a :class:`FusedRun`.
-  ``at_submit``: made at a queue's submit, on the caller's task, where a compile would stall
-  it (build nothing new: the cpu backend then calls each kernel through its trampoline).
+* ``_fuse(run)`` -- one command that runs every ``Exec`` of ``run`` (two or more fusable
+  launches in a row on one queue), in order: a :class:`FusedRun`. It is called on the
+  caller's task (a graph capture's end, a queue's submit), where a compile would stall the
+  event loop: it builds nothing new (the cpu backend calls each kernel through its
+  trampoline, loaded with the program).
 
 The core does the rest, the same for every backend: :func:`fuse` walks a template (a graph
 part's, a built queue's) and replaces each run of fusable launches by the fused command; the
@@ -27,7 +28,7 @@ the run it was called on, so a replay still in flight keeps its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hcqa import commands as cmd
@@ -36,17 +37,21 @@ from hcqa.variables import Expr, Variable
 if TYPE_CHECKING:
     from hcqa.devices.buffer import Buffer
 
-__all__ = ["FusedRun", "fuse"]
+__all__ = ["FusedRun", "access_of", "fuse"]
 
 _SYM = (Variable, Expr)
 
 
-class FusedRun:
+class FusedRun(cmd.Fused):
     """A command that runs several launches as one call (see the module doc).
 
     A backend's fused command subclasses this and provides:
 
     * ``names`` -- the fused kernels' names, in order (a tracer shows them as one range);
+    * :meth:`access` -- the buffers it reads before writing them and those it writes
+      (:func:`access_of` of its launches; rebound ones after a ``bound``): a batch that
+      fails does not run it and marks what it was to write as holding no valid data, and
+      a batch queued behind that reads it fails too (``actors/actor.py``);
     * ``symbols`` -- the distinct symbolic ints (Variables, expressions) its arguments hold,
       in a fixed order; empty when every argument is known;
     * :meth:`buffers` -- the buffers it touches (a graph rebinds them on replay);
@@ -69,12 +74,29 @@ class FusedRun:
         raise NotImplementedError
 
 
+def access_of(run: Sequence[cmd.Exec]) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+    """What the launches of ``run``, in order, read before writing it (a buffer of an
+    allocation an earlier launch of the run wrote is not read from outside), and what they
+    write: a fused run's :meth:`FusedRun.access`, as its launches would report one by one."""
+    reads: dict[int, Any] = {}
+    writes: dict[int, Any] = {}
+    for e in run:
+        written, read = e.program.access(len(e.buffers))
+        for i in read:
+            b = e.buffers[i]
+            key = id(b._hazards)  # type: ignore[attr-defined]
+            if key not in writes:
+                reads.setdefault(key, b)
+        for i in written:
+            b = e.buffers[i]
+            writes.setdefault(id(b._hazards), b)  # type: ignore[attr-defined]
+    return tuple(reads.values()), tuple(writes.values())
+
+
 Patch = tuple[int, str, Any]  # (template index, kind, data)
 
 
-def fuse(
-    template: list[Any], patches: list[Patch], *, at_submit: bool = False
-) -> tuple[list[Any], list[Patch], int]:
+def fuse(template: list[Any], patches: list[Patch]) -> tuple[list[Any], list[Patch], int]:
     """Replace each run of two or more fusable launches in ``template`` by the fused command
     their device makes (``Device._fuse``); the new template, the patch slots moved to their
     new positions, and how many runs were fused.
@@ -93,7 +115,7 @@ def fuse(
     def flush() -> None:
         nonlocal made
         if len(run) >= 2:
-            fused = run[0].program.device._fuse(run, at_submit=at_submit)
+            fused = run[0].program.device._fuse(run)
             if fused.symbols:
                 extra.append((len(out), "run", fused))
                 out.append(None)

@@ -79,9 +79,9 @@ class FastPaths:
         :meth:`_fuse`. None by default."""
         return False
 
-    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> FusedRun:
+    def _fuse(self, run: Sequence[cmd.Exec]) -> FusedRun:
         """One command that runs every launch of ``run`` (two or more, each
         :meth:`_fusable`, in a row on one queue), in order: a
-        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. ``at_submit``:
-        made at a queue's submit, on the caller's task (compile nothing)."""
+        :class:`~hcqa.devices.fusion.FusedRun` this device's executor runs. Called on the
+        caller's task (a capture's end, a queue's submit): compile nothing here."""
         raise NotImplementedError

@@ -351,7 +351,11 @@ def check_onnx_ops(model: Any, path: str) -> None:
             )
 
 
-def _onnx_capture(path: str, inputs: Sequence[np.ndarray], kind: str) -> Lifted:
+def _onnx_capture(
+    path: str, inputs: Sequence[np.ndarray], kind: str, nodes: Sequence[tuple[str, str]]
+) -> Lifted:
+    """``nodes``: each ONNX node's (name, op type), in the file's order (tinygrad's runner
+    keeps that order): a node that tinygrad can't lower is refused by name."""
     from tinygrad.nn.onnx import OnnxRunner
 
     device = prepare(kind)
@@ -366,13 +370,51 @@ def _onnx_capture(path: str, inputs: Sequence[np.ndarray], kind: str) -> Lifted:
             if isinstance(v, Tensor):
                 v.realize()
     ins, outs = list(runner.graph_inputs), list(runner.graph_outputs)
+    # How far a run got: -1 while it reads its inputs, then how many nodes it has lowered
+    # (the runner calls each node's operator once, in order, through ``_select_op``).
+    done = [-1]
+    select, parse = runner._select_op, runner._parse_input
+
+    def counted(op: str, opset: Any) -> Any:
+        impl = select(op, opset)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            ret = impl(*args, **kwargs)
+            done[0] += 1
+            return ret
+
+        return run
+
+    def parsing(*args: Any) -> Any:
+        done[0] = -1
+        value = parse(*args)
+        done[0] = 0
+        return value
+
+    runner._select_op, runner._parse_input = counted, parsing  # (instance attributes)
 
     def forward(*xs: Any) -> Any:
-        got = runner(dict(zip(ins, xs, strict=True)))
+        done[0] = -1
+        try:
+            got = runner(dict(zip(ins, xs, strict=True)))
+        except Exception as exc:
+            raise InvalidCommand(_refusal(path, nodes, done[0], exc)) from exc
         res = tuple(got[o] for o in outs)
         return res[0] if len(res) == 1 else res
 
     return capture(forward, inputs, kind=kind, variables={}, names=ins, out_names=outs)
+
+
+def _refusal(path: str, nodes: Sequence[tuple[str, str]], k: int, exc: Exception) -> str:
+    """Why tinygrad's ONNX front end failed at node ``k`` (-1: reading the inputs)."""
+    why = f"{type(exc).__name__}: {exc}"
+    if not 0 <= k < len(nodes):
+        return f"{path!r}: tinygrad's ONNX front end could not take the inputs ({why})"
+    name, op = nodes[k]
+    return (
+        f"{path!r} node {k} ({name or 'unnamed'}): operator {op!r} can't be lowered by "
+        f"tinygrad {PINNED}'s ONNX front end ({why}); try backend='onnxruntime' on a cpu device"
+    )
 
 
 _LOCK = threading.Lock()  # tinygrad is not thread-safe: one capture at a time per process
@@ -409,10 +451,13 @@ def locked_capture(
         return capture(fn, inputs, kind=kind, variables=variables, names=names)
 
 
-def locked_onnx_capture(path: str, inputs: Sequence[np.ndarray], *, kind: str) -> Lifted:
-    """tinygrad's ONNX runner for ``path`` (weights realized first), captured for ``inputs``."""
+def locked_onnx_capture(
+    path: str, inputs: Sequence[np.ndarray], *, kind: str, nodes: Sequence[tuple[str, str]]
+) -> Lifted:
+    """tinygrad's ONNX runner for ``path`` (weights realized first), captured for ``inputs``;
+    ``nodes``: each ONNX node's (name, op type), to name one tinygrad can't lower."""
     with _own_thread():
-        return _onnx_capture(path, inputs, kind)
+        return _onnx_capture(path, inputs, kind, nodes)
 
 
 def release() -> None:

@@ -219,8 +219,11 @@ async def _lifted(path: Path, model: Any, examples: list[np.ndarray], kind: str)
     from hcqa.models import _tinygrad
 
     await trio.to_thread.run_sync(_tinygrad.check_onnx_ops, model, str(path))
+    nodes = [(n.name, n.op_type) for n in model.graph.node]
     lifted: Lifted = await trio.to_thread.run_sync(
-        functools.partial(_tinygrad.locked_onnx_capture, str(path), examples, kind=kind)
+        functools.partial(
+            _tinygrad.locked_onnx_capture, str(path), examples, kind=kind, nodes=nodes
+        )
     )
     await trio.to_thread.run_sync(cache.store, key, lifted)
     return lifted

@@ -3,17 +3,18 @@
 Theory of operation
 -------------------
 :func:`serve` opens the batchers (unless ``max_batch=1``), builds the app, and runs the
-HTTP server -- :mod:`hcqa.serve.http` by default, or hypercorn's trio worker -- in the
-caller's trio run, so the HTTP server, the batcher's collector, the pipeline's actors and
-the devices' wake-ups share one loop while kernels run in engine threads or worker
-processes. ``task_status.started`` reports the bound port. When the shutdown trigger
-returns, the drain starts: the server stops accepting and closes idle connections, every
-answer from then on carries ``Connection: close`` (the app's counting middleware adds it
-whichever server runs), and as soon as no request is inside the app (the middleware
-counts them; at most ``grace_period`` seconds) the server is stopped -- it does not wait
-for connections that will never carry another request (hypercorn would, for the whole
-grace period). Then the batchers drain and :func:`serve` returns. hypercorn is imported
-only when it is asked for.
+HTTP server -- :mod:`hcqa.serve.http` by default, or hypercorn's trio worker, each
+connection guarded (:mod:`hcqa.serve.hypercorn_worker`) -- in the caller's trio run, so
+the HTTP server, the batcher's collector, the pipeline's actors and the devices' wake-ups
+share one loop while kernels run in engine threads or worker processes.
+``task_status.started`` reports the bound port. When the shutdown trigger returns, the
+drain starts: the server stops accepting and closes idle connections, every answer from
+then on carries ``Connection: close`` (the app's counting middleware adds it whichever
+server runs), and as soon as no request is inside the app (the middleware counts them; at
+most ``grace_period`` seconds) the server is stopped -- it does not wait for connections
+that will never carry another request (hypercorn would, for the whole grace period). Then
+the batchers drain and :func:`serve` returns. hypercorn is imported only when it is asked
+for.
 
 The access log file is opened as the Tracer writes its trace: never through a symlink
 (``O_NOFOLLOW``), created owner-only (0600), and only a regular file is accepted.
@@ -224,10 +225,12 @@ def _hypercorn(
     log_level: str,
     options: Mapping[str, Any] | None,
 ) -> Any:
-    """hypercorn's trio ``serve`` with its ``Config`` bound: ``start(app, shutdown_trigger=)``."""
+    """hypercorn's trio worker (each connection guarded: :mod:`hcqa.serve.hypercorn_worker`)
+    with its ``Config`` bound: ``start(app, shutdown_trigger=)``."""
     try:
         from hypercorn.config import Config
-        from hypercorn.trio import serve as hypercorn_serve
+
+        from hcqa.serve.hypercorn_worker import serve as hypercorn_serve
     except ImportError as exc:
         raise ImportError(f"hcqa.serve needs hypercorn: {install_hint('serve')}") from exc
     config = Config()

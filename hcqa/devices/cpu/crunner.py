@@ -1,23 +1,25 @@
-"""Native runners: a run of C kernels executed by one call into generated C.
+"""Native runners: a run of C kernels executed by one call into prebuilt C.
 
 Theory of operation
 -------------------
 Dispatching a kernel from Python costs about a microsecond (a ctypes call and
 the engine's loop); for tiny kernels that is the whole cost. A graph replays
-the same kernels with the same arguments again and again, so for a run of
-consecutive C kernels on one queue it generates a small C function::
+the same kernels with the same arguments again and again, so a run of
+consecutive C kernels on one queue becomes one call of a small C function
+built once per process::
 
-    void hcqa_run(void **fn, const int64_t *a) {
-        ((sig0)fn[0])((void *)a[0], (void *)a[1], (int32_t)a[2]);
-        ((sig1)fn[1])(...);
+    void hcqa_run_generic(void **fn, const int64_t *a) {
+        for (; fn[0] != 0; fn += 3) ((tramp_t)fn[0])(fn[1], a + (intptr_t)fn[2]);
     }
 
-where each ``sigN`` is a function-pointer type built from the kernel's
-parameter list, ``fn`` holds the kernels' addresses and ``a`` their arguments
-(buffer addresses, then int vals, each widened to 64 bits). The source depends
-only on the *shapes* of the calls, so it is compiled once and cached like any
-kernel; the function table is a ctypes array. One ctypes call then runs the whole
-run with the GIL released, and the per-kernel cost is an indirect C call.
+where ``fn`` lists, per kernel, its *trampoline* (``hcqa_tramp``, one per parameter
+shape, compiled once and cached like any kernel: it unpacks the table into the kernel's
+C parameters), the kernel's address and where its arguments start in ``a``, the
+argument table (buffer addresses, then int vals, each widened to 64 bits). One ctypes
+call then runs the whole run with the GIL released, and the per-kernel cost is two
+indirect C calls. Nothing is compiled per run: a run is made on the caller's task (a
+graph capture's end, a queue's submit), where a compile would block the event loop, and
+the generic runner and the trampolines were loaded with the programs (``program_async``).
 
 The argument table is a numpy ``int64`` array. Kernels whose arguments are all fixed
 are packed once. A kernel whose vals (or launch geometry, for ``geometry=True``
@@ -28,9 +30,7 @@ stays one native call. Buffer addresses are listed as well (``refs``), so a repl
 buffers rebinds them the same way. ``RunC`` is the cpu backend's
 :class:`~hcqa.devices.fusion.FusedRun`: a graph replay or a queue's submit asks for it
 through that interface, and :class:`~hcqa.devices.cpu.CpuDevice` makes it
-(``_fusable``, ``_fuse``: the fusion seam). Graph captures and queue submits both ask
-for the generic runner (``at_submit``): they happen on the event loop's thread, where the
-compile of a generated ``hcqa_run`` would block it.
+(``_fusable``, ``_fuse``: the fusion seam).
 """
 
 from __future__ import annotations
@@ -83,6 +83,9 @@ class RunC(FusedRun):
     names: tuple[str, ...]
     syms: tuple[tuple[int, Any, int, int, str], ...] = attrs.field(default=(), repr=False)
     refs: tuple[tuple[int, Any], ...] = attrs.field(default=(), repr=False)
+    # what the run reads before writing and what it writes (``fusion.access_of``; rebound)
+    reads: tuple[Buffer, ...] = attrs.field(default=(), repr=False)
+    writes: tuple[Buffer, ...] = attrs.field(default=(), repr=False)
     # per buffer: its positions in the table (for rebinding), shared by every copy
     refmap: dict[Any, Any] = attrs.field(default=None, repr=False)
     # the distinct expressions of ``syms``, in order, and per expression: (its table
@@ -119,6 +122,9 @@ class RunC(FusedRun):
     def buffers(self) -> tuple[Buffer, ...]:
         return tuple(b for _, b in self.refs)
 
+    def access(self) -> tuple[tuple[Buffer, ...], tuple[Buffer, ...]]:
+        return self.reads, self.writes
+
     def bound(
         self, values: Mapping[Any, int] | None, rebind: Mapping[Buffer, Buffer] | None
     ) -> RunC:
@@ -137,12 +143,21 @@ class RunC(FusedRun):
                 positions = refmap.get(old)
                 if positions is not None:
                     table[positions] = new.va_addr
+            reads = tuple(rebind.get(b, b) for b in self.reads)
+            writes = tuple(rebind.get(b, b) for b in self.writes)
+            return self.with_table(table, reads, writes)
         return self.with_table(table)
 
-    def with_table(self, table: Any) -> RunC:
-        """The same run over another argument table (of the same layout). Built field by
-        field: a replay makes one of these per rebinding or per new value, and attrs'
-        ``__init__`` costs several microseconds more."""
+    def with_table(
+        self,
+        table: Any,
+        reads: tuple[Buffer, ...] | None = None,
+        writes: tuple[Buffer, ...] | None = None,
+    ) -> RunC:
+        """The same run over another argument table (of the same layout; on the buffers
+        ``reads`` and ``writes`` when rebound). Built field by field: a replay makes one of
+        these per rebinding or per new value, and attrs' ``__init__`` costs several
+        microseconds more."""
         new = object.__new__(RunC)
         setattr_ = object.__setattr__
         setattr_(new, "entry", self.entry)
@@ -151,6 +166,8 @@ class RunC(FusedRun):
         setattr_(new, "names", self.names)
         setattr_(new, "syms", self.syms)
         setattr_(new, "refs", self.refs)
+        setattr_(new, "reads", self.reads if reads is None else reads)
+        setattr_(new, "writes", self.writes if writes is None else writes)
         setattr_(new, "refmap", self.refmap)
         setattr_(new, "symbols", self.symbols)
         setattr_(new, "groups", self.groups)
@@ -217,52 +234,30 @@ def _table(
 def build_runner(
     calls: Sequence[tuple[CKernel, Sequence[Entry]]],
     names: Sequence[str],
-    *,
-    generic: bool = False,
+    access: tuple[tuple[Buffer, ...], tuple[Buffer, ...]],
 ) -> RunC:
     """One RunC for ``calls``: (kernel, its arguments as table entries: a buffer, an int or
-    an expression, with the range it must fit and what it is, for error messages).
+    an expression, with the range it must fit and what it is, for error messages);
+    ``access``: what the run reads and writes (``fusion.access_of``).
 
-    ``generic``: compile nothing for this run; one C function built once per process calls
-    each kernel through its trampoline (see :func:`trampoline`), one more indirect call per
-    kernel. For a run made at a queue's submit, where a compile would stall the caller."""
+    Compiles nothing for this run: the generic runner (built once per process) calls each
+    kernel through its trampoline (see :func:`trampoline`)."""
     table, syms, refs, starts = _table(calls)
     packed = np.array(table or [0], dtype=np.int64)
-    if generic:
-        entry = generic_entry()
-        words: list[int | None] = []
-        for (kernel, _), start in zip(calls, starts, strict=True):
-            words += [trampoline(kernel), kernel.address, start]
-        fns: Any = (ctypes.c_void_p * (len(words) + 1))(*words, None)
-    else:
-        entry = _compiled_entry(calls, starts)
-        fns = (ctypes.c_void_p * len(calls))(*[k.address for k, _ in calls])
+    words: list[int | None] = []
+    for (kernel, _), start in zip(calls, starts, strict=True):
+        words += [trampoline(kernel), kernel.address, start]
+    fns = (ctypes.c_void_p * (len(words) + 1))(*words, None)
     return RunC(
-        entry=entry, fns=fns, table=packed, names=tuple(names), syms=tuple(syms), refs=tuple(refs)
+        entry=generic_entry(),
+        fns=fns,
+        table=packed,
+        names=tuple(names),
+        syms=tuple(syms),
+        refs=tuple(refs),
+        reads=access[0],
+        writes=access[1],
     )
-
-
-def _compiled_entry(calls: Sequence[tuple[CKernel, Sequence[Entry]]], starts: list[int]) -> Any:
-    """``hcqa_run`` generated for the shapes of ``calls``: each kernel called directly."""
-    lines = ["#include <stdint.h>"]
-    types: dict[tuple[str, ...], str] = {}
-    body: list[str] = []
-    for i, ((kernel, _), start) in enumerate(zip(calls, starts, strict=True)):
-        ctypes_ = tuple("void *" if p.pointer else _c_int_type(p.ctype) for p in kernel.params)
-        if ctypes_ not in types:
-            types[ctypes_] = f"sig{len(types)}"
-            lines.append(f"typedef void (*{types[ctypes_]})({', '.join(ctypes_) or 'void'});")
-        args = []
-        for j, t in enumerate(ctypes_):
-            cast = "(void *)(intptr_t)" if t == "void *" else f"({t})"
-            args.append(f"{cast}a[{start + j}]")
-        body.append(f"    (({types[ctypes_]})fn[{i}])({', '.join(args)});")
-    lines.append("void hcqa_run(void **fn, const int64_t *a) {")
-    lines.extend(body)
-    lines.append("}")
-    entry = compile_c("\n".join(lines) + "\n", "hcqa_run").fn
-    entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    return entry
 
 
 _GENERIC_SOURCE = """#include <stdint.h>

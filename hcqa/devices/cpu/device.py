@@ -48,6 +48,7 @@ from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.cpu.crunner import RunC, build_runner, entries, generic_entry, trampoline, wrap64
 from hcqa.devices.cpu.staging import Drain
+from hcqa.devices.fusion import access_of
 from hcqa.devices.hostarrays import array_address
 from hcqa.devices.memory import StagingRing
 from hcqa.devices.program import Program, check_return
@@ -159,12 +160,12 @@ class CpuDevice(Device):
             return False
         return exec_.args is not None or entries(exec_) is not None
 
-    def _fuse(self, run: Sequence[cmd.Exec], *, at_submit: bool) -> RunC:
-        """One native call over an argument table (``crunner.py``); at a submit, the
-        generic runner (nothing compiled: each kernel through its trampoline)."""
+    def _fuse(self, run: Sequence[cmd.Exec]) -> RunC:
+        """One native call over an argument table (``crunner.py``): the generic runner,
+        each kernel through its trampoline, nothing compiled."""
         calls = [(e.program.kernel, entries(e)) for e in run]
         names = [e.program.name for e in run]
-        return build_runner(calls, names, generic=at_submit)  # type: ignore[arg-type]
+        return build_runner(calls, names, access_of(run))  # type: ignore[arg-type]
 
     def _inline(self, command: Any) -> bool:
         """Direct copies of up to ``INLINE_COPY_MAX`` bytes run on the caller's thread when

@@ -140,4 +140,6 @@ def describe(c: Any) -> str:
         return f"program {c.program.name!r}"
     if type(c) is cmd.Copy:
         return f"copy of {c.nbytes} bytes"
-    return f"load of {c.path!r}"
+    if type(c) is cmd.Load:
+        return f"load of {c.path!r}"
+    return f"native run of {', '.join(map(repr, c.names))}"

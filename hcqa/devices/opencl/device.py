@@ -41,6 +41,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -50,6 +51,7 @@ from hcqa.devices.opencl import platforms, runtime
 from hcqa.devices.opencl.executor import ClExecutor, Segment
 from hcqa.devices.opencl.memory import ClAllocator
 from hcqa.devices.opencl.program import ClProgram, build
+from hcqa.devices.opencl.runs import ClRun, fusable, make_run
 from hcqa.devices.program import Program
 from hcqa.errors import InvalidCommand
 
@@ -135,6 +137,14 @@ class OpenCLDevice(Device):
         """Every launch: a symbolic val is resolved from the batch's Bind when its launch
         record sets the kernel's arguments (``program.Patched``)."""
         return True
+
+    def _fusable(self, exec_: Any) -> bool:
+        """A launch whose vals and sizes are plain ints joins a native run (``runs.py``)."""
+        return fusable(exec_)
+
+    def _fuse(self, run: Sequence[Any]) -> ClRun:
+        """One ``hcqa_cl_run`` call over a table of the launches (nothing is compiled)."""
+        return make_run(run)
 
     def _make_program(self, name: str, src: Any, **options: Any) -> Program:
         if options.get("geometry"):

@@ -11,9 +11,11 @@ queue's own in-order ``cl.CommandQueue`` (profiling on): ``Exec`` is
 driver's thread takes the page faults). Each of these calls returns in microseconds; nothing
 here waits for the device. Consecutive launches go through one tight loop: each ``Exec`` keeps
 its launch record (``ClProgram.record``) on the command, so a resubmitted one is a single
-driver call; the copies call PyOpenCL's native entry points directly. Every command's event is
-kept until its segment completes: PoCL 3 aborts the process when it marks an event the
-application already released as failed (a command behind one the driver failed). ``Wait``
+driver call; the copies call PyOpenCL's native entry points directly. A queue sent again
+(or a graph) sends runs of launches as a ``ClRun``, enqueued by one native call
+(``runs.py``). Every command's event is kept until its segment completes: PoCL 3 aborts the
+process when it marks an event the application already released as failed (a command
+behind one the driver failed). ``Wait``
 reaches the executor only as a :class:`~hcqa.devices.opencl.waits.Gate`, a Wait the driver
 keeps (``waits.py``: the next driver command takes the producer's event in its wait list);
 any other Wait the queue actor awaits on the loop and only then hands over what follows (host
@@ -66,14 +68,14 @@ from hcqa.actors import engine as _engine
 from hcqa.devices.opencl import runtime
 from hcqa.devices.opencl.completion import Completion, Segment, describe
 from hcqa.devices.opencl.copies import DriverCopies
-from hcqa.devices.opencl.program import Patched
+from hcqa.devices.opencl.runs import ClRun, NativeRuns, one_cpu
 from hcqa.devices.opencl.runtime import NSTORES, STORES, TL2_FN, TL_ARG, TL_FN, TL_SEQ, WAKE
 from hcqa.devices.opencl.waits import Gate, hold, wait_list
 from hcqa.signals import Signal
 
 __all__ = ["ClExecutor", "Segment"]
 
-_EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
+_EXEC, _COPY, _LOAD, _RUN = cmd.Exec, cmd.Copy, cmd.Load, ClRun
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _BIND = cmd.Bind
 _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
@@ -82,7 +84,7 @@ _NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing run
 WINDOW = 4
 
 
-class ClExecutor(DriverCopies, Completion):
+class ClExecutor(DriverCopies, NativeRuns, Completion):
     """Enqueues runs on one in-order OpenCL queue; completion through the device's pump."""
 
     def __init__(
@@ -115,6 +117,8 @@ class ClExecutor(DriverCopies, Completion):
         self._gate: list[Gate] | None = None  # Gates the next driver command waits for
         self._own: Signal | None = None  # this queue's signal (set by the device)
         self._bound: list[Any] = [{}]  # the values of the latest Bind (see program.Patched)
+        # (one CPU for the process: a run's launches wait for a gate, ``runs.py``)
+        self._gate_context = int(device.context.int_ptr) if one_cpu() else 0
 
     def hold(self, signal: Signal, value: int) -> Gate | None:
         """A Gate for ``Wait(signal, value)`` when the driver can keep it (``waits.py``)."""
@@ -208,7 +212,8 @@ class ClExecutor(DriverCopies, Completion):
         hook = _engine.trace_hook  # tracing: ranges from the profiling counters, at completion
         traced: list[tuple[Any, Any]] | None = None
         flows: Any = None
-        if hook is not None:
+        if hook is not None:  # (every kernel a range of its own: a native run's one by one)
+            run = [x for c in run for x in (c.execs if type(c) is _RUN else (c,))]
             traced = []
             track = hook._engines.get(self) or hook._track(self)
             hook.engine_run(self, run, _NO_HANDLERS)  # takes the flows waiting for this run
@@ -248,7 +253,7 @@ class ClExecutor(DriverCopies, Completion):
                     keep = []
                     break
                 keep.append(last)
-            if kind is _EXEC or kind is _COPY or kind is _LOAD:
+            if kind is _EXEC or kind is _COPY or kind is _LOAD or kind is _RUN:
                 if books:
                     self._close(last, books, keep, what, traced, flows, gates)
                     books, keep, last, gates = [], [], None, None
@@ -257,7 +262,18 @@ class ClExecutor(DriverCopies, Completion):
                     keep.append(run)  # the commands (their buffers) until the segment completes
                 first, mark = c, len(keep)
                 try:
-                    if gate is not None:  # the first command after Gates waits for them
+                    if kind is _RUN:  # launches enqueued by one native call (runs.py)
+                        wait_for = None
+                        if gate is not None:
+                            wait_for = wait_list(gate)
+                            gates = gate if gates is None else gates + gate
+                            gate = None
+                        head, last = self._run(c, keep, wait_for, bool(starts))
+                        if head is not None:  # a Timestamp before it takes its START
+                            mark = len(keep)
+                            keep.append(head)
+                        keep.append(last)
+                    elif gate is not None:  # the first command after Gates waits for them
                         wait_for = wait_list(gate)
                         gates = gate if gates is None else gates + gate
                         gate = None
@@ -430,18 +446,6 @@ class ClExecutor(DriverCopies, Completion):
         self.queue.flush()
         self.device._tidy(self)
         return True
-
-    def _record(self, c: Any) -> Any:
-        """``c``'s launch record (made at its first launch), its arguments set on the kernel."""
-        rec = c.native
-        if rec is None:
-            rec = c.program.record(c)
-            if type(rec[3]) is Patched:  # its variables: from this queue's latest Bind
-                rec[3].cell = self._bound
-            object.__setattr__(c, "native", rec)
-        if rec[3] is not c.program.cl_args:
-            c.program.set_args(rec[3])
-        return rec
 
     def _close(
         self,

@@ -26,6 +26,7 @@ process-wide eventfd and its page kept for the life of the process.
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import threading
 from pathlib import Path
@@ -150,14 +151,38 @@ class _Native:
         self.set_callback = set_cb
         here = Path(__file__).parent
         store = (here.parent.parent / "_native" / "signal_store.h").read_text()
-        source = "#define _POSIX_C_SOURCE 200809L\n" + store + (here / "callback.c").read_text()
+        source = (
+            "#define _POSIX_C_SOURCE 200809L\n"
+            + store
+            + (here / "callback.c").read_text()
+            + (here / "runs.c").read_text()
+        )
         abi = compile_c(source, "hcqa_cl_abi")
         words = (ctypes.c_int64 * 1)()
         abi.fn(ctypes.addressof(words))
         if words[0] != WORDS:
             raise InvalidCommand(f"OpenCL callback slots must be {WORDS} words (got {words[0]})")
-        callback = ctypes.CDLL(abi.path).hcqa_cl_complete
-        self.callback = ctypes.cast(callback, ctypes.c_void_p).value or 0
+        so = ctypes.CDLL(abi.path)
+        self.callback = ctypes.cast(so.hcqa_cl_complete, ctypes.c_void_p).value or 0
+        # Runs of launches in one call (``runs.py``): the driver's entry points, by address.
+        fns = [
+            ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+            for name in (
+                "clEnqueueNDRangeKernel", "clSetKernelArg", "clReleaseEvent",
+                "clSetEventCallback", "clFlush", "clCreateUserEvent", "clSetUserEventStatus",
+            )
+        ]  # fmt: skip
+        self.fns = (ctypes.c_uint64 * 8)(*fns[:5], self.callback, *fns[5:])
+        u64, i64, ptr = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+        run = so.hcqa_cl_run
+        run.argtypes = [ptr, u64, ptr, i64, u64, ptr, ptr, ptr, u64, u64]
+        run.restype = i64
+        release = so.hcqa_cl_release
+        release.argtypes = [ptr, ptr, i64]
+        release.restype = None
+        fns_address = ctypes.addressof(self.fns)
+        self.run: Any = functools.partial(run, fns_address)
+        self.release: Any = functools.partial(release, fns_address)
         lane = library()  # the C timeline the callback completes steps on (None: none here)
         self.tl_complete = (
             ctypes.cast(lane.lib.hcqa_tl_complete, ctypes.c_void_p).value or 0
