@@ -23,6 +23,8 @@ rows that arrive meanwhile would make a batch more. So while a serial target run
 only a full one is queued behind it; one that is not full waits for the running batch to
 end, as with one slot.
 
+The call that fills a batch while a slot is free starts it itself (a round of the event
+loop sooner than the collector would: under load, a round runs every connection's task).
 Each batch runs in its own task: the samples are stacked into one array (for a
 pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
 once, and row ``i`` of its result is copied to request ``i`` (the padding rows are
@@ -145,6 +147,7 @@ class Batcher:
         self._cancelled = 0
         self._waits: collections.deque[float] = collections.deque(maxlen=_WAIT_HISTORY)
         self._wait_total = 0.0
+        self._nursery: trio.Nursery | None = None  # the collector's, while it runs
 
     async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
@@ -162,7 +165,11 @@ class Batcher:
         if _engine.trace_hook is not None:  # tracing: an arrow from the request to its batch
             request.traced = serving.here()
         self._pending.append(request)
-        self._wake.set()
+        free = self._in_flight < self.depth and self._nursery is not None
+        if free and len(self._pending) >= self.max_batch:
+            self._dispatch()  # full, and a slot is free: no round of the collector first
+        else:
+            self._wake.set()
         try:
             await request.done.wait()
         except BaseException:
@@ -212,6 +219,7 @@ class Batcher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The collector: dispatch batches until closed and drained (see the module doc)."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             task_status.started()
             while True:
                 if not self._pending:
@@ -233,11 +241,17 @@ class Batcher:
                 if not ready:
                     await self._sleep(deadline)
                     continue
-                n = min(self.max_batch, len(self._pending))
-                batch = [self._pending.popleft() for _ in range(n)]
-                self._in_flight += 1
-                nursery.start_soon(self._run_batch, batch, name=self._task_name)
+                self._dispatch()
             # closed and nothing pending: the nursery waits for the running batches
+            self._nursery = None
+
+    def _dispatch(self) -> None:
+        """Start a batch of the oldest pending requests (the caller saw it ready)."""
+        assert self._nursery is not None
+        n = min(self.max_batch, len(self._pending))
+        batch = [self._pending.popleft() for _ in range(n)]
+        self._in_flight += 1
+        self._nursery.start_soon(self._run_batch, batch, name=self._task_name)
 
     @property
     def _task_name(self) -> str:

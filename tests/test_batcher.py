@@ -187,6 +187,51 @@ async def test_a_serial_target_queues_only_a_full_batch_behind_a_running_one(
     assert stats.queue_wait_p99 == pytest.approx(5.0)
 
 
+class _Spawns(trio.abc.Instrument):
+    """Which task's step spawned each batch task."""
+
+    def __init__(self) -> None:
+        self.stepping: trio.lowlevel.Task | None = None
+        self.spawned_by: list[str] = []
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.stepping = task
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.stepping = None
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        if task.name == "hcqa.batcher.Batcher._run_batch" and self.stepping is not None:
+            self.spawned_by.append(self.stepping.name)
+
+
+async def test_the_call_that_fills_a_batch_starts_it_in_its_own_step() -> None:
+    """No round of the collector between the last sample of a full batch and its start:
+    under load a round of the event loop runs every connection's task first."""
+    target = Recorder(gated=True)
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        async with opened(target, max_batch=2, depth=2) as batch:
+
+            async def call(k: int) -> None:
+                await batch(sample(k))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 0, name="lone")
+                await target.entered.wait()  # batch 1 runs (the target was idle)
+                target.entered = trio.Event()
+                nursery.start_soon(call, 1, name="first of two")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 2, name="second of two")
+                await target.entered.wait()
+                target.gate.set()
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert [len(b) for b in target.batches] == [1, 2]
+    assert spawns.spawned_by[1] == "second of two"
+
+
 async def test_a_cancelled_pending_caller_leaves_the_queue() -> None:
     target = Recorder(gated=True)
     async with opened(target) as batch:

@@ -349,7 +349,11 @@ class Model:
             return await aio.call(self.__call__, *arrays, **variables)
         rows, bucket = self._check(arrays, variables)
         vals = {n: int(v) for n, v in variables.items()}
-        async with bucket.limit:  # a free slot: at most len(bucket.slots) calls in flight
+        try:  # a free slot (at most len(bucket.slots) calls in flight), at once if one is
+            bucket.limit.acquire_nowait()  # free: queued in this step, no round of the loop
+        except trio.WouldBlock:
+            await bucket.limit.acquire()
+        try:
             slot = bucket.free.pop()
             try:
                 if slot.pending is not None:  # a replay a cancelled call left running
@@ -374,6 +378,8 @@ class Model:
             self._calls += 1
             if self._batched:
                 self._padded += slot.host_in[0].shape[0] - rows
+        finally:
+            bucket.limit.release()
         return outs[0] if len(outs) == 1 else outs
 
     def statistics(self) -> ModelStatistics:
