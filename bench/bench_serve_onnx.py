@@ -6,6 +6,7 @@ Run from the repository root (under the shared bench lock on a shared host)::
     python -m bench.bench_serve_onnx --quick    # 2 rounds of 2 s: indicative only
     python -m bench.bench_serve_onnx --no-ray   # without the Ray Serve peer
     python -m bench.bench_serve_onnx --hidden 16384 --no-ray   # a device-bound model
+    python -m bench.bench_serve_onnx --depth 1  # one batch at a time on the device
 
 The model is an MLP written with ``onnx.helper`` (``x[N, 256] -> Gemm 512 -> Relu -> Gemm 256``,
 float32, seeded weights), saved to a temporary file and served two ways on loopback, each in
@@ -13,7 +14,8 @@ its own process with one BLAS thread:
 
 * **hcqa**: ``hcqa serve --model mlp=PATH --backend onnxruntime --max-batch 32`` -- the session
   as one kernel on ``cpu:0`` (one intra-op thread), single samples gathered by the dynamic
-  batcher into batches of up to 32 rows (the captured sizes 1, 2, 4, ..., 32);
+  batcher into batches of up to 32 rows (the captured sizes 1, 2, 4, ..., 32), two batches
+  in flight (``--depth``: the next one queued on the device while one runs);
 * **FastAPI**: ``examples/fastapi_onnx_app.py`` on uvicorn -- the same file, the same session
   options, each request's ``session.run`` on one row in Starlette's thread pool (no batching,
   as such deployments usually run);
@@ -116,6 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         default=HIDDEN,
         help=f"the MLP's hidden width (default {HIDDEN}; 16384 makes the device the bottleneck)",
     )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=2,
+        help="batches hcqa keeps in flight on the model's device (default 2; 1: one at a time)",
+    )
     parser.add_argument("--no-ray", action="store_true", help="without the Ray Serve peer")
     parser.add_argument("--no-trace", action="store_true", help="without the traced window")
     args = parser.parse_args(argv)
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         hcqa_argv = [sys.executable, "-m", "hcqa.cli", "serve", "--port", "0"]
         hcqa_argv += ["--model", f"mlp={path}", "--backend", "onnxruntime", "--device", "cpu"]
         hcqa_argv += ["--max-batch", str(MAX_BATCH), "--max-pending", "1024"]
-        hcqa_argv += ["--access-log", "none"]
+        hcqa_argv += ["--access-log", "none", "--depth", str(args.depth)]
         peer_argv = [sys.executable, str(ROOT / "examples" / "fastapi_onnx_app.py")]
         peer_argv += ["--model", str(path), "--port", "0"]
         starts = [

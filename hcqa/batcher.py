@@ -15,6 +15,16 @@ requests, up to ``max_batch`` of them, as one batch when
   lone caller therefore pays no ``max_wait``; under load the target is busy, requests
   pile up while it works, and batches fill by themselves.
 
+A *serial* target (a ``models.Model``: its slots share one set of buffers, so its batches
+run one after another) takes a second batch only to queue it behind the running one, so
+that the device goes on without waiting for the event loop. A batch that is not full gains
+nothing by leaving early there: it would only wait on the device, with fewer rows, and the
+rows that arrive meanwhile would make a batch more. So while a serial target runs a batch,
+only a full one is queued behind it; one that is not full waits for the running batch to
+end, as with one slot.
+
+The call that fills a batch while a slot is free starts it itself (a round of the event
+loop sooner than the collector would: under load, a round runs every connection's task).
 Each batch runs in its own task: the samples are stacked into one array (for a
 pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
 once, and row ``i`` of its result is copied to request ``i`` (the padding rows are
@@ -114,6 +124,7 @@ class Batcher:
         buckets: list[tuple[int, Target]],
         max_pending: int | None,
         name: str = "",
+        serial: bool = False,
     ) -> None:
         self.target = target
         self.name = name
@@ -123,6 +134,7 @@ class Batcher:
         self.dtype = dtype
         self.depth = depth
         self.max_pending = max_pending
+        self.serial = serial
         self._buckets = buckets
         self._pending: collections.deque[_Request] = collections.deque()
         self._wake = trio.Event()
@@ -135,6 +147,7 @@ class Batcher:
         self._cancelled = 0
         self._waits: collections.deque[float] = collections.deque(maxlen=_WAIT_HISTORY)
         self._wait_total = 0.0
+        self._nursery: trio.Nursery | None = None  # the collector's, while it runs
 
     async def __call__(self, sample: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run ``sample`` in the next batch; returns its row of the target's output."""
@@ -152,7 +165,11 @@ class Batcher:
         if _engine.trace_hook is not None:  # tracing: an arrow from the request to its batch
             request.traced = serving.here()
         self._pending.append(request)
-        self._wake.set()
+        free = self._in_flight < self.depth and self._nursery is not None
+        if free and len(self._pending) >= self.max_batch:
+            self._dispatch()  # full, and a slot is free: no round of the collector first
+        else:
+            self._wake.set()
         try:
             await request.done.wait()
         except BaseException:
@@ -202,6 +219,7 @@ class Batcher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The collector: dispatch batches until closed and drained (see the module doc)."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             task_status.started()
             while True:
                 if not self._pending:
@@ -212,21 +230,28 @@ class Batcher:
                 if self._in_flight >= self.depth:
                     await self._sleep(math.inf)
                     continue
+                full = len(self._pending) >= self.max_batch
+                if self.serial and self._in_flight and not full and not self._closed:
+                    await self._sleep(math.inf)  # it grows until full or the running one ends
+                    continue
                 deadline = self._pending[0].arrived + self.max_wait
                 ready = (
-                    len(self._pending) >= self.max_batch
-                    or self._in_flight == 0
-                    or self._closed
-                    or trio.current_time() >= deadline
+                    full or self._in_flight == 0 or self._closed or trio.current_time() >= deadline
                 )
                 if not ready:
                     await self._sleep(deadline)
                     continue
-                n = min(self.max_batch, len(self._pending))
-                batch = [self._pending.popleft() for _ in range(n)]
-                self._in_flight += 1
-                nursery.start_soon(self._run_batch, batch, name=self._task_name)
+                self._dispatch()
             # closed and nothing pending: the nursery waits for the running batches
+            self._nursery = None
+
+    def _dispatch(self) -> None:
+        """Start a batch of the oldest pending requests (the caller saw it ready)."""
+        assert self._nursery is not None
+        n = min(self.max_batch, len(self._pending))
+        batch = [self._pending.popleft() for _ in range(n)]
+        self._in_flight += 1
+        self._nursery.start_soon(self._run_batch, batch, name=self._task_name)
 
     @property
     def _task_name(self) -> str:
@@ -323,6 +348,7 @@ async def open_batcher(
     depth: int | None = None,
     max_pending: int | None = None,
     name: str = "",
+    serial: bool = False,
 ) -> AsyncIterator[Batcher]:
     """Batch single samples for ``target`` inside the block: ``row = await batch(sample)``.
 
@@ -339,7 +365,9 @@ async def open_batcher(
     ``max_wait`` (seconds): the longest a request waits for its batch to fill while the
     target is busy; when nothing runs, a batch goes at once. ``max_pending``: a call that
     finds that many requests waiting raises ``QueueFull`` (None: no limit). ``name`` (a served
-    model's) names the batch tasks and, in a trace, the batches' track.
+    model's) names the batch tasks and, in a trace, the batches' track. ``serial``: the
+    target runs its batches one after another (a ``models.Model``), so while one runs only a
+    full batch is queued behind it (see the module doc).
 
     Under asyncio the batcher's tasks (and so an async callable target) run in the loop's
     trio host (see ``hcqa.aio``): the target must be trio-flavoured or an hcqa pipeline.
@@ -443,6 +471,7 @@ async def open_batcher(
         buckets=buckets,
         max_pending=max_pending,
         name=str(name),
+        serial=bool(serial),
     )
     error: BaseException | None = None
     async with trio.open_nursery() as nursery:

@@ -161,6 +161,77 @@ async def test_a_partial_batch_goes_after_max_wait_when_a_slot_is_free(
     assert stats.queue_wait_p50 == 0.0
 
 
+async def test_a_serial_target_queues_only_a_full_batch_behind_a_running_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A serial target (a ``models.Model``) runs its batches one after another: a partial
+    batch waits past max_wait for the running one to end, growing; a full one goes at once."""
+    target = Recorder(gated=True)
+    async with opened(target, max_batch=2, max_wait=0.5, depth=2, serial=True) as batch:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batch, sample(0))
+            await target.entered.wait()  # batch 1 runs and blocks
+            target.entered = trio.Event()
+            nursery.start_soon(batch, sample(1))
+            await trio.sleep(5.0)  # ten times max_wait: it still waits, the target being busy
+            assert len(target.batches) == 1
+            nursery.start_soon(batch, sample(2))
+            await target.entered.wait()  # now full: queued behind batch 1 at once
+            assert len(target.batches) == 2
+            target.entered = trio.Event()
+            nursery.start_soon(batch, sample(3))
+            await trio.testing.wait_all_tasks_blocked()
+            target.gate.set()  # both end; the partial one goes once they have
+        stats = batch.statistics()
+    assert [len(b) for b in target.batches] == [1, 2, 1]
+    assert stats.queue_wait_p99 == pytest.approx(5.0)
+
+
+class _Spawns(trio.abc.Instrument):
+    """Which task's step spawned each batch task."""
+
+    def __init__(self) -> None:
+        self.stepping: trio.lowlevel.Task | None = None
+        self.spawned_by: list[str] = []
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.stepping = task
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.stepping = None
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        if task.name == "hcqa.batcher.Batcher._run_batch" and self.stepping is not None:
+            self.spawned_by.append(self.stepping.name)
+
+
+async def test_the_call_that_fills_a_batch_starts_it_in_its_own_step() -> None:
+    """No round of the collector between the last sample of a full batch and its start:
+    under load a round of the event loop runs every connection's task first."""
+    target = Recorder(gated=True)
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        async with opened(target, max_batch=2, depth=2) as batch:
+
+            async def call(k: int) -> None:
+                await batch(sample(k))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 0, name="lone")
+                await target.entered.wait()  # batch 1 runs (the target was idle)
+                target.entered = trio.Event()
+                nursery.start_soon(call, 1, name="first of two")
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, 2, name="second of two")
+                await target.entered.wait()
+                target.gate.set()
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert [len(b) for b in target.batches] == [1, 2]
+    assert spawns.spawned_by[1] == "second of two"
+
+
 async def test_a_cancelled_pending_caller_leaves_the_queue() -> None:
     target = Recorder(gated=True)
     async with opened(target) as batch:

@@ -1,9 +1,12 @@
 """The HTTP border under attack, as raw bytes over a socket: request smuggling, limits, and
 requests that must not take the server down. Each case asserts the status, that the
-connection is closed after it, and that the server still answers a fresh connection.
+connection is closed after it, that the server still answers a fresh connection, and that a
+connection opened before it (a request in flight) is answered too: no case cuts another.
 
 The same cases run against hypercorn (``serve(http="hypercorn")``'s host); where it answers
 otherwise, the case says so in ``HYPERCORN`` (recorded, not fixed: it is not hcqa's parser).
+What made hypercorn raise out of a connection (``BREAKERS``) must end that connection only
+(:mod:`hcqa.serve.hypercorn_worker`'s guard).
 """
 
 from __future__ import annotations

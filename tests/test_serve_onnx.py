@@ -3,6 +3,7 @@ gets onnxruntime's own answers; a model that fails to load fails the start in on
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -114,8 +115,20 @@ def test_tritonclient_gets_onnxruntimes_answers_from_hcqa_serve(tmp_path: Path) 
         assert stats["inference_stats"]["success"]["count"] == 2
         assert stats["inference_stats"]["fail"]["count"] == 1
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
+        started = [line for line in err.splitlines() if line.startswith("hcqa: model pair:")]
+        assert started[:5] == [  # off a terminal: one plain line per step of the start
+            f"hcqa: model pair: loading {path} (onnxruntime on cpu:0)",
+            "hcqa: model pair: building batch size 1 of 3",  # the sizes 1, 2 and 4
+            "hcqa: model pair: building batch size 2 of 3",
+            "hcqa: model pair: building batch size 3 of 3",
+            "hcqa: model pair: warming up",
+        ]
+        assert re.fullmatch(r"hcqa: model pair: ready in \d+\.\d s", started[5])
+        ours = [line for line in err.splitlines() if line.startswith("hcqa:")]
+        assert "\x1b" not in out + "".join(ours)  # no control codes in a log (onnxruntime's
+        # own log line for the refused input is coloured: not hcqa's to change)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -128,6 +141,7 @@ def test_a_model_that_fails_to_load_fails_the_start_in_one_line(tmp_path: Path) 
     proc = _serve("--model", f"pair={good}", "--model", f"gone={missing}")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
+    assert "\x1b" not in err and "failed:" not in err  # the one line below says it
     last = err.strip().splitlines()[-1]
     assert last == (
         f"hcqa: error: model 'gone' failed to load: InvalidCommand: ONNX file '{missing}' "

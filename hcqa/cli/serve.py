@@ -4,16 +4,18 @@ Arguments are parsed into checked values (a port, seconds, integers with a minim
 as ``NAME=PATH.onnx`` or ``NAME:WIDTH``) so a bad one is a one-line usage error before any
 device opens. An ONNX model is a :class:`hcqa.serve.Model` whose ``build`` opens its own
 device (``--device``) and loads the file (:func:`hcqa.models.load_onnx`, ``--backend``) in
-the background while the health endpoints answer; a model that fails to load ends the
-command with one line naming it. Demo MLPs share ``cpu:0`` and ``cpu:1`` (or two devices on
-``opencl:0``). The command runs :func:`hcqa.serve.serve` with SIGINT and SIGTERM wired to a
-drain; a second signal stops at once (exit status 130): it cancels the scope
-around the devices, so they close by cancellation -- what is queued on them is dropped,
-not run."""
+the background while the health endpoints answer, each model's steps shown as they happen
+(a live status on a terminal, plain lines elsewhere: ``_startup.py``); a model that fails to
+load ends the command with one line naming it. Demo MLPs share ``cpu:0`` and ``cpu:1`` (or
+two devices on ``opencl:0``). The command runs :func:`hcqa.serve.serve` with SIGINT and
+SIGTERM wired to a drain; a second signal stops at once (exit status 130): it cancels the
+scope around the devices, so they close by cancellation -- what is queued on them is
+dropped, not run."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +23,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from typing import Any
 
 from hcqa.cli._base import PROG, CliError, _out, run_trio
+from hcqa.cli._startup import startup
 from hcqa.errors import install_hint
 
 __all__ = ["configure_serve", "run_serve"]
@@ -177,7 +180,8 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "--depth",
         type=_int_at_least(1),
         default=2,
-        help="batches on the devices at once (default: %(default)s)",
+        help="batches in flight on a model's devices at once: the MLP's pipeline depth, an ONNX "
+        "model's slots (default: %(default)s)",
     )
     add(
         "--sleep-ms",
@@ -241,15 +245,17 @@ def run_serve(args: argparse.Namespace) -> int:
                     except InvalidCommand as exc:
                         raise CliError(f"hcqa serve --device {args.device}: {exc}") from None
                 models = []
+                status = stack.enter_context(startup([n for n, _ in onnx]))
                 for name, what in specs:
+                    told = functools.partial(status.event, name)
                     if isinstance(what, str):
-                        _out(
-                            f"{PROG}: loading model {name} from {what} ({backend} on "
-                            f"{device_specs[0]})",
-                            sys.stderr,
+                        told(f"loading {what} ({backend} on {device_specs[0]})")
+                        build = _onnx_build(
+                            what, backend, device_specs[0], sizes, name, args.depth, told
                         )
-                        build = _onnx_build(what, backend, device_specs[0], sizes, name)
-                        models.append(Model(name=name, build=build, max_wait=args.max_wait))
+                        models.append(
+                            Model(name=name, build=build, max_wait=args.max_wait, progress=told)
+                        )
                         continue
                     pipes = await mlp_pipeline(
                         devices[0],
@@ -352,9 +358,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _onnx_build(
-    path: str, backend: str, device: str, sizes: tuple[int, ...], name: str
+    path: str,
+    backend: str,
+    device: str,
+    sizes: tuple[int, ...],
+    name: str,
+    depth: int,
+    told: Callable[[str], None],
 ) -> Callable[[], AbstractAsyncContextManager[Any]]:
-    """What builds an ONNX model: its own device opened, the file loaded onto it."""
+    """What builds an ONNX model: its own device opened, the file loaded onto it (each batch
+    size's build told to ``told``)."""
 
     @asynccontextmanager
     async def build() -> AsyncIterator[Any]:
@@ -363,8 +376,9 @@ def _onnx_build(
 
         async with hcqa.open_device(device) as dev:
             model = await models.load_onnx(
-                path, device=dev, backend=backend, batch_sizes=sizes, name=name
-            )
+                path, device=dev, backend=backend, batch_sizes=sizes, name=name, depth=depth,
+                progress=lambda k, n: told(f"building batch size {k} of {n}"),
+            )  # fmt: skip
             yield model
 
     return build

@@ -6,7 +6,7 @@ Theory of operation
 the device). Each checks its arguments on the caller's task -- the host array's size and
 layout (``host_ref``), the file's kind and size, opened once now so that a file the engine
 could not read is refused here -- and submits one ``Copy`` or ``Load`` on the copy queue
-(a copy-out may run on the compute queue, see ``_copyout_queue``) through
+(a copy-out, or a copy-in, may run on the compute queue, see ``_copyout_queue``) through
 ``Device._submit``, with the buffer's hazard.
 
 This is a mixin of :class:`~hcqa.devices.base.Device`, which sets the attributes declared
@@ -42,11 +42,13 @@ class HostCopies:
     copy: QueueActor
     _submit: Callable[..., Fence]
 
-    def _copyin(self, buf: Buffer, src: Any) -> Fence:
+    def _copyin(self, buf: Buffer, src: Any, *, on_compute: bool = False) -> Fence:
+        """``on_compute``: as for :meth:`_copyout`."""
         buf._check()
         host = host_ref(src, buf, writable=False)
         command = _copy_command(buf, host, buf.nbytes, None)
-        return self._submit(self.copy, [command], writes=[buf], waits=False)
+        queue = self._copyout_queue(on_compute)
+        return self._submit(queue, [command], writes=[buf], waits=False)
 
     def _copyout(self, buf: Buffer, dest: Any, *, on_compute: bool = False) -> Fence:
         """``on_compute``: on the compute queue where it takes host copies (see
@@ -58,7 +60,7 @@ class HostCopies:
         return self._submit(queue, [command], reads=[buf], waits=False)
 
     def _copyout_queue(self, on_compute: bool) -> QueueActor:
-        """The queue a copy-out runs on: the compute queue when asked for and
+        """The queue a host copy (out or in) runs on: the compute queue when asked for and
         ``_copies_on_compute``, else the copy queue."""
         return self.compute if on_compute and self._copies_on_compute() else self.copy
 
@@ -66,7 +68,10 @@ class HostCopies:
         """Whether the compute queue's executor also runs host copies (``Copy`` commands
         between a buffer and a host array). A pipeline then copies its last stage's output
         out right behind the kernel on that queue, instead of on the copy engine, where it
-        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``)."""
+        would wait behind the next microbatch's incoming transfer (``hcqa/pipeline.py``);
+        a model's graph copies in and out there too, so a replay is one queue's batch that
+        the engine runs right behind the one before, no Wait on the event loop between
+        (``hcqa/models/model.py``)."""
         return False
 
     def _load(self, buf: Buffer, path: str, offset: int, nbytes: int | None) -> Fence:

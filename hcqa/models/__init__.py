@@ -32,6 +32,7 @@ import trio
 
 from hcqa import aio
 from hcqa.devices import Device
+from hcqa.devices.sizes import check_int
 from hcqa.errors import InvalidCommand
 from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import TensorSpec
@@ -74,20 +75,25 @@ async def from_tinygrad(
     device: Device,
     variables: Mapping[str, tuple[int, int]] | None = None,
     name: str | None = None,
+    depth: int = 2,
 ) -> Model:
     """Capture ``fn`` (tinygrad Tensors in, a Tensor or a tuple of them out; weights realized
     on :func:`tinygrad_device`) and build it on ``device`` as one Graph.
 
     ``example_inputs``: numpy arrays of the shapes and dtypes every call will have.
     ``variables``: ``{"start_pos": (lo, hi)}``: ``fn`` takes each as a keyword, a bound tinygrad
-    Variable; ``await model(x, start_pos=17)`` binds it per call."""
+    Variable; ``await model(x, start_pos=17)`` binds it per call. ``depth``: calls in flight
+    at once (the Graph is captured that many times over the same device buffers: see
+    :class:`~hcqa.models.Model`)."""
     if aio.asyncio_caller():
         return await aio.call(
-            from_tinygrad, fn, example_inputs, device=device, variables=variables, name=name
-        )
+            from_tinygrad, fn, example_inputs, device=device, variables=variables, name=name,
+            depth=depth,
+        )  # fmt: skip
     kind = device_kind(device)
     inputs = check_examples(example_inputs)
     vars_ = check_variables(variables)
+    check_int("depth", depth, minimum=1)
     if not callable(fn):
         raise InvalidCommand(f"'fn' must be callable (got {type(fn).__name__})")
     label = name or str(getattr(fn, "__name__", "model"))
@@ -101,7 +107,7 @@ async def from_tinygrad(
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_tinygrad.release)
-    bucket = await build(device, lifted)
+    bucket = await build(device, lifted, depth=depth)
     return Model(
         name=label,
         device=device,

@@ -7,15 +7,29 @@ each base is one allocation (weights and state get their bytes copied in once; s
 allocated), each kernel argument a view of its base, each distinct (source, entry) one program
 built with the front end's compiler flags. Then one :func:`hcqa.capture` block records the
 whole call: copy-ins from host staging arrays, every launch (a kernel that counts ``core_id``
-is launched once per core, with ``core_id`` as a val), copy-outs into host staging arrays.
+is launched once per core, with ``core_id`` as a val), copy-outs into host staging arrays. The
+copies run on the compute queue where the device allows it (cpu, OpenCL): a replay is then one
+batch of one queue, with no cross-queue Wait for the event loop to see through.
 Variables become :class:`hcqa.Variable` s, symbolic launch sizes hcqa expressions over them.
 
 A :class:`Model` holds one such build per batch size (its *buckets*; a single one when the
 shapes are fixed). ``await model(x, start_pos=3)`` checks every array (ndarray, dtype, shape)
 and every variable name before anything is queued (:class:`InvalidCommand` naming the input),
-picks the smallest bucket that holds the batch, and -- under a lock, since a bucket owns one
-set of buffers -- copies the arrays into its staging arrays (padding rows zeroed), replays the
-graph (one submit per queue) and returns copies of its own rows of the outputs.
+picks the smallest bucket that holds the batch, takes a free *slot* of it, copies the arrays
+into the slot's staging arrays (padding rows zeroed), replays the slot's graph (one submit per
+queue) and returns copies of its own rows of the outputs.
+
+A bucket has ``depth`` slots (default 2): the same work captured ``depth`` times, each graph
+with its own host staging arrays but all over the bucket's one set of device buffers. So up
+to ``depth`` calls are in flight at once: call ``k + 1`` is copied in and queued while call
+``k`` runs, and ``k``'s results are copied out while ``k + 1`` runs -- the device never waits
+for the event loop between two calls. The device buffers being shared, the replays still run
+one after another in the order they were submitted (the graphs' boundaries carry the same
+buffer hazards as eager work), so a model with state sees the calls in that order, as with
+one slot. A slot is taken under a ``trio.Semaphore`` of ``depth`` (a further caller waits);
+it returns to the pool when its call is answered, and a cancelled caller's slot first waits
+for the replay it left queued (the next user of the slot awaits it) before its staging
+arrays are touched again.
 """
 
 from __future__ import annotations
@@ -39,7 +53,8 @@ from hcqa.signals import Fence
 from hcqa.variables import IntLike, Variable
 
 __all__ = [
-    "Bucket", "Model", "ModelStatistics", "build", "build_programs", "launch", "program_key",
+    "Bucket", "Model", "ModelStatistics", "Slot", "build", "build_programs", "copy_in",
+    "copy_out", "launch", "program_key",
 ]  # fmt: skip
 
 
@@ -59,20 +74,52 @@ class ModelStatistics:
 
 
 @attrs.define(eq=False)
-class Bucket:
-    """One captured graph and the host arrays it copies from and to."""
+class Slot:
+    """One call in flight on a bucket: a captured Graph and the host arrays it copies from and
+    to (every slot of a bucket shares its device buffers)."""
 
     graph: Graph
     host_in: tuple[np.ndarray, ...]
     host_out: tuple[np.ndarray, ...]
+    failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
+    pending: Fence | None = None  # the replay a cancelled call left running
+
+
+@attrs.define(eq=False)
+class Bucket:
+    """One batch size: its device buffers and ``len(slots)`` captured graphs over them."""
+
+    slots: list[Slot]
     variables: dict[str, Variable]
     launches: int
     programs: int
     weight_bytes: int
     scratch_bytes: int
     buffers: list[Buffer]
-    failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
     lifted: Lifted | None = None  # what it was built from (None: an opaque kernel)
+    free: list[Slot] = attrs.field(init=False)
+    limit: trio.Semaphore = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.free = list(reversed(self.slots))  # slot 0 is taken first
+        self.limit = trio.Semaphore(len(self.slots))
+
+    @property
+    def graph(self) -> Graph:
+        """The first slot's Graph (every slot's records the same work)."""
+        return self.slots[0].graph
+
+
+def copy_in(buf: Buffer, host: np.ndarray) -> Fence:
+    """``buf.copyin(host)`` on the compute queue where the device runs host copies there: a
+    model's replay is then one queue's batch, queued right behind the one before it (see
+    the module doc)."""
+    return buf.device._copyin(buf, host, on_compute=True)
+
+
+def copy_out(buf: Buffer, host: np.ndarray) -> Fence:
+    """``buf.copyout(host)`` on the compute queue where the device allows it."""
+    return buf.device._copyout(buf, host, on_compute=True)
 
 
 def _expr(s: Sym, variables: dict[str, Variable]) -> IntLike:
@@ -139,9 +186,10 @@ def launch(k: Kernel, prog: Program, args: Sequence[Buffer], variables: dict[str
 
 
 async def build(
-    device: Device, lifted: Lifted, weights: dict[bytes, Buffer] | None = None
+    device: Device, lifted: Lifted, weights: dict[bytes, Buffer] | None = None, *, depth: int = 2
 ) -> Bucket:
-    """Allocate, copy weights, build programs and capture one Graph for ``lifted``.
+    """Allocate, copy weights, build programs and capture ``depth`` Graphs for ``lifted`` (the
+    bucket's slots: each its own host staging arrays, all over the same device buffers).
 
     ``weights``: read-only weights already on ``device`` by a digest of their bytes (another
     bucket's); a weight found there is shared, not copied again, and new ones are added."""
@@ -175,20 +223,23 @@ async def build(
         return got
 
     programs = await build_programs(device, lifted, lifted.kernels)
-    host_in = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.inputs)
-    host_out = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.outputs)
+    slots: list[Slot] = []
     launches = 0
-    with capture() as graph:
-        for (_, arg), host in zip(lifted.inputs, host_in, strict=True):
-            view(arg).copyin(host.reshape(-1))
-        for k in lifted.kernels:
-            launches += launch(k, programs[program_key(k)], [view(a) for a in k.args], variables)
-        for (_, arg), host in zip(lifted.outputs, host_out, strict=True):
-            view(arg).copyout(host.reshape(-1))
+    for _ in range(depth):
+        host_in = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.inputs)
+        host_out = tuple(np.zeros(_fixed(spec), spec.dtype) for spec, _ in lifted.outputs)
+        launches = 0
+        with capture() as graph:
+            for (_, arg), host in zip(lifted.inputs, host_in, strict=True):
+                copy_in(view(arg), host.reshape(-1))
+            for k in lifted.kernels:
+                args = [view(a) for a in k.args]
+                launches += launch(k, programs[program_key(k)], args, variables)
+            for (_, arg), host in zip(lifted.outputs, host_out, strict=True):
+                copy_out(view(arg), host.reshape(-1))
+        slots.append(Slot(graph, host_in, host_out))
     return Bucket(
-        graph=graph,
-        host_in=host_in,
-        host_out=host_out,
+        slots=slots,
         variables=variables,
         launches=launches,
         programs=len(programs),
@@ -227,10 +278,9 @@ class Model:
         self.batch_sizes: tuple[int, ...] = tuple(self._buckets) if batched else ()
         self._batched = batched
         self._largest = self._buckets[max(self._buckets)]
-        self._lock = trio.Lock()
+        self.depth = min(len(b.slots) for b in self._buckets.values())  # calls in flight
         self._calls = 0
         self._padded = 0
-        self._pending: Fence | None = None
 
     @property
     def graph(self) -> Graph:
@@ -299,27 +349,37 @@ class Model:
             return await aio.call(self.__call__, *arrays, **variables)
         rows, bucket = self._check(arrays, variables)
         vals = {n: int(v) for n, v in variables.items()}
-        async with self._lock:
-            if self._pending is not None:  # a replay a cancelled call left running
-                await self._pending
-                self._pending = None
-            for host, a in zip(bucket.host_in, arrays, strict=True):
-                if self._batched:
-                    host[:rows] = a
-                    host[rows:] = 0
-                else:
-                    host[...] = a
-            bucket.failure = None
-            self._pending = bucket.graph.submit(**vals)  # type: ignore[arg-type]
-            await self._pending
-            self._pending = None
-            if bucket.failure is not None:  # a Python kernel refused this input
-                why, bucket.failure = bucket.failure, None
-                raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
-            outs = tuple((h[:rows] if self._batched else h).copy() for h in bucket.host_out)
+        try:  # a free slot (at most len(bucket.slots) calls in flight), at once if one is
+            bucket.limit.acquire_nowait()  # free: queued in this step, no round of the loop
+        except trio.WouldBlock:
+            await bucket.limit.acquire()
+        try:
+            slot = bucket.free.pop()
+            try:
+                if slot.pending is not None:  # a replay a cancelled call left running
+                    await slot.pending
+                    slot.pending = None
+                for host, a in zip(slot.host_in, arrays, strict=True):
+                    if self._batched:
+                        host[:rows] = a
+                        host[rows:] = 0
+                    else:
+                        host[...] = a
+                slot.failure = None
+                slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
+                await slot.pending
+                slot.pending = None
+                if slot.failure is not None:  # a Python kernel refused this input
+                    why, slot.failure = slot.failure, None
+                    raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
+                outs = tuple((h[:rows] if self._batched else h).copy() for h in slot.host_out)
+            finally:
+                bucket.free.append(slot)
             self._calls += 1
             if self._batched:
-                self._padded += bucket.host_in[0].shape[0] - rows
+                self._padded += slot.host_in[0].shape[0] - rows
+        finally:
+            bucket.limit.release()
         return outs[0] if len(outs) == 1 else outs
 
     def statistics(self) -> ModelStatistics:

@@ -13,7 +13,9 @@ here, naming the file and the input), so nothing is captured for a model that ca
 * ``backend="onnxruntime"``: one ``InferenceSession`` (one intra-op thread: the device is the
   unit of parallelism) becomes one Python kernel on ``cpu:N``; the engine thread calls it with
   numpy views of the input and output buffers, and ``session.run`` releases the GIL while it
-  computes. Each batch size gets its buffers and its Graph (copy-in, the kernel, copy-out).
+  computes. Each batch size gets its buffers and ``depth`` Graphs over them (copy-in, the
+  kernel, copy-out: the model's slots, see :class:`~hcqa.models.Model`), each with a kernel
+  of its own.
   An input onnxruntime refuses at run time (an index out of range) is the caller's error, not
   the device's: the kernel records it, writes nothing, and the call raises InvalidCommand
   naming onnxruntime's message; the device and the model go on answering.
@@ -29,7 +31,7 @@ import functools
 import importlib.metadata
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,13 @@ import trio
 
 from hcqa import aio
 from hcqa.devices import Device
+from hcqa.devices.sizes import check_int
 from hcqa.errors import InvalidCommand, install_hint
 from hcqa.graph import capture
 from hcqa.models import cache
 from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import Lifted, TensorSpec
-from hcqa.models.model import Bucket, Model, build
+from hcqa.models.model import Bucket, Model, Slot, build, copy_in, copy_out
 
 __all__ = ["load_onnx"]
 
@@ -129,15 +132,23 @@ async def load_onnx(
     backend: str = "tinygrad",
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
     name: str | None = None,
+    depth: int = 2,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Model:
-    """Load the ONNX model at ``path`` onto ``device`` as captured graphs (see the module doc)."""
+    """Load the ONNX model at ``path`` onto ``device`` as captured graphs (see the module doc).
+
+    ``depth``: calls in flight at once (each batch size captured that many times over the same
+    device buffers: call ``k + 1`` is queued while call ``k`` runs). ``progress(k, n)`` is
+    called before the ``k``-th of the ``n`` batch sizes is built (``hcqa serve`` shows it)."""
     if aio.asyncio_caller():
         return await aio.call(
-            load_onnx, path, device=device, backend=backend, batch_sizes=batch_sizes, name=name
-        )
+            load_onnx, path, device=device, backend=backend, batch_sizes=batch_sizes, name=name,
+            depth=depth, progress=progress,
+        )  # fmt: skip
     kind = device_kind(device)
     if backend not in BACKENDS:
         raise InvalidCommand(f"'backend' must be one of {BACKENDS} (got {backend!r})")
+    check_int("depth", depth, minimum=1)
     if backend == "onnxruntime" and kind != "cpu":
         raise InvalidCommand(
             f"backend 'onnxruntime' runs as a Python kernel on cpu:N (got {device.name}); "
@@ -158,9 +169,11 @@ async def load_onnx(
     if backend == "tinygrad":
         weights: dict[bytes, Any] = {}  # shared by the buckets
         try:
-            for rows in buckets_for:
+            for k, rows in enumerate(buckets_for, 1):
+                if progress is not None:
+                    progress(k, len(buckets_for))
                 lifted = await _lifted(p, model, _examples(specs, max(rows, 1)), kind)
-                buckets[rows] = await build(device, lifted, weights)
+                buckets[rows] = await build(device, lifted, weights, depth=depth)
                 outputs = tuple(s for s, _ in lifted.outputs)
         finally:
             if "hcqa.models._tinygrad" in sys.modules:  # not imported when all came from cache
@@ -168,8 +181,10 @@ async def load_onnx(
                     await trio.to_thread.run_sync(sys.modules["hcqa.models._tinygrad"].release)
     else:
         session = await trio.to_thread.run_sync(_session, p)
-        for rows in buckets_for:
-            buckets[rows], outputs = await _ort_bucket(device, session, specs, max(rows, 1))
+        for k, rows in enumerate(buckets_for, 1):
+            if progress is not None:
+                progress(k, len(buckets_for))
+            buckets[rows], outputs = await _ort_bucket(device, session, specs, max(rows, 1), depth)
     if batched:
         for s in outputs:
             if not s.shape or s.shape[0] != max(buckets_for):
@@ -240,9 +255,11 @@ def _session(path: Path) -> Any:
 
 
 async def _ort_bucket(
-    device: Device, session: Any, specs: Sequence[TensorSpec], rows: int
+    device: Device, session: Any, specs: Sequence[TensorSpec], rows: int, depth: int
 ) -> tuple[Bucket, tuple[TensorSpec, ...]]:
-    """One graph for ``rows``: copy-in, ``session.run`` as one Python kernel, copy-out."""
+    """``depth`` graphs for ``rows`` (the bucket's slots, over the same device buffers), each:
+    copy-in, ``session.run`` as one Python kernel, copy-out. Each slot has its own kernel, so
+    an input onnxruntime refuses is recorded on the slot whose call it was."""
     examples = _examples(specs, rows)
     names = [s.name for s in specs]
     try:
@@ -254,42 +271,32 @@ async def _ort_bucket(
     out_names = [o.name for o in session.get_outputs()]
     outputs = tuple(TensorSpec(n, r.shape, r.dtype) for n, r in zip(out_names, probe, strict=True))
     n_out = len(outputs)
-
-    holder: list[Bucket] = []
-
-    def run(*bufs: np.ndarray) -> None:
-        feeds = {n: b for n, b in zip(names, bufs[n_out:], strict=True)}
-        try:
-            got = session.run(None, feeds)
-        except Exception as exc:  # the input's fault (an index out of range): not the device's
-            holder[0].failure = f"onnxruntime: {type(exc).__name__}: {exc}"
-            return
-        for dest, out in zip(bufs[:n_out], got, strict=True):
-            dest[...] = out
-
-    prog = await device.program_async(
-        "onnxruntime",
-        run,
-        writes=tuple(range(n_out)),
-        reads=tuple(range(n_out, n_out + len(specs))),
-    )
     ins = [device.alloc(shape=e.shape, dtype=e.dtype) for e in examples]
     shapes = [tuple(int(d or 0) for d in s.shape) for s in outputs]
     outs = [
         device.alloc(shape=shape, dtype=s.dtype) for shape, s in zip(shapes, outputs, strict=True)
     ]
-    host_in = tuple(np.zeros(e.shape, e.dtype) for e in examples)
-    host_out = tuple(np.zeros(shape, s.dtype) for shape, s in zip(shapes, outputs, strict=True))
-    with capture() as graph:
-        for buf, host in zip(ins, host_in, strict=True):
-            buf.copyin(host)
-        prog(*outs, *ins)
-        for buf, host in zip(outs, host_out, strict=True):
-            buf.copyout(host)
+    slots: list[Slot] = []
+    for _ in range(depth):
+        host_in = tuple(np.zeros(e.shape, e.dtype) for e in examples)
+        host_out = tuple(np.zeros(shape, s.dtype) for shape, s in zip(shapes, outputs, strict=True))
+        holder: list[Slot] = []  # the slot whose kernel this is, once captured
+        prog = await device.program_async(
+            "onnxruntime",
+            functools.partial(_ort_run, session, names, n_out, holder),
+            writes=tuple(range(n_out)),
+            reads=tuple(range(n_out, n_out + len(specs))),
+        )
+        with capture() as graph:
+            for buf, host in zip(ins, host_in, strict=True):
+                copy_in(buf, host)
+            prog(*outs, *ins)
+            for buf, host in zip(outs, host_out, strict=True):
+                copy_out(buf, host)
+        holder.append(Slot(graph, host_in, host_out))
+        slots.append(holder[0])
     bucket = Bucket(
-        graph=graph,
-        host_in=host_in,
-        host_out=host_out,
+        slots=slots,
         variables={},
         launches=1,
         programs=1,
@@ -297,5 +304,18 @@ async def _ort_bucket(
         scratch_bytes=0,
         buffers=[*ins, *outs],
     )
-    holder.append(bucket)
     return bucket, outputs
+
+
+def _ort_run(
+    session: Any, names: list[str], n_out: int, holder: list[Slot], *bufs: np.ndarray
+) -> None:
+    """The Python kernel: ``session.run`` on the input buffers, into the output buffers."""
+    feeds = {n: b for n, b in zip(names, bufs[n_out:], strict=True)}
+    try:
+        got = session.run(None, feeds)
+    except Exception as exc:  # the input's fault (an index out of range): not the device's
+        holder[0].failure = f"onnxruntime: {type(exc).__name__}: {exc}"
+        return
+    for dest, out in zip(bufs[:n_out], got, strict=True):
+        dest[...] = out

@@ -11,7 +11,8 @@ yields the target (and closes them on exit). :class:`Hosted` keeps one model:
   on zeros (warming it: the first request pays nothing the build could pay), opens its
   batcher and only then marks the model ready. Health endpoints answer all the while. A
   build that fails before the model was ever ready raises :class:`ModelFailed` ("model 'm'
-  failed to load: why"), which ends ``serve()``.
+  failed to load: why"), which ends ``serve()``. Each step is told to the model's
+  ``progress`` callback, if it has one (``hcqa serve`` shows them).
 - :meth:`Hosted.run` runs a request's rows (one array per input): the model's ``check``
   first (400 before anything is batched), then one row through the batcher (shared with
   other single rows), more rows directly in chunks of ``target.rows``, up to ``depth`` at
@@ -82,7 +83,10 @@ class Model:
     with ``{input name: rows}`` before a request is batched; a ``ValueError`` or
     ``InvalidCommand`` it raises is the request's 400. ``warmup``: run the model once per
     batch size on zeros before it is ready (default: for a ``models.Model`` and for what
-    ``build`` yields; a pipeline or callable handed over ready is run only by requests)."""
+    ``build`` yields; a pipeline or callable handed over ready is run only by requests).
+    ``progress``: called (on the trio thread) at each step of the model's start, and of each
+    rebuild after a fault: ``"building"`` (``"rebuilding (why)"``), ``"warming up"``,
+    ``"ready"``, ``"failed: why"``."""
 
     name: str
     pipeline: Any = None
@@ -94,6 +98,7 @@ class Model:
     max_wait: float = 0.002
     check: Callable[[Mapping[str, npt.NDArray[Any]]], None] | None = None
     warmup: bool | None = None
+    progress: Callable[[str], None] | None = None
 
     def __attrs_post_init__(self) -> None:
         if (self.pipeline is None) == (self.build is None):
@@ -211,6 +216,7 @@ class Hosted:
         first = True
         while True:
             self._recover = trio.Event()
+            self._tell("building" if first else f"rebuilding ({self.reason})")
             try:
                 async with AsyncExitStack() as stack:
                     obj, target = m.pipeline, self._given
@@ -222,12 +228,14 @@ class Hosted:
                     if warm is None:
                         warm = m.build is not None or target.platform != "hcqa" or is_model(obj)
                     if warm:
+                        self._tell("warming up")
                         await self._warm(target)
                     batcher = None
                     if m.max_batch != 1:
                         batcher = await stack.enter_async_context(self._batcher(target))
                     self.batcher = batcher
                     self._set_ready(target)
+                    self._tell("ready")
                     self._wake_waiters()
                     if first:
                         task_status.started()
@@ -237,6 +245,7 @@ class Hosted:
                     self.batcher = None
             except Exception as exc:
                 why = " ".join(f"{type(exc).__name__}: {exc}".split())
+                self._tell(f"failed: {why}")
                 if first:
                     raise ModelFailed(f"model '{self.name}' failed to load: {why}") from exc
                 self.state, self.reason, self.target = "failed", why, None
@@ -244,6 +253,10 @@ class Hosted:
                 return
             if m.build is None:  # nothing to rebuild with
                 return
+
+    def _tell(self, step: str) -> None:
+        if self.model.progress is not None:
+            self.model.progress(step)
 
     async def _warm(self, target: Target) -> None:
         for rows in target.buckets or (1,):
@@ -280,6 +293,7 @@ class Hosted:
             dtype=pack.row_dtype,
             depth=target.depth,
             name=self.name,
+            serial=target.serial,
         )
 
     def _wake_waiters(self) -> None:

@@ -21,6 +21,9 @@ a :class:`Target`, the one shape the server works with:
   result is always a copy the caller owns (a pipeline lends its output only until its next
   run).
 - ``devices``: what the model runs on (readiness reads their fault state).
+- ``depth``: runs in flight at once (a ``Model``'s slots: 2 by default); ``serial``: they
+  run one after another (a ``Model``'s do: its slots share its buffers), which the batcher
+  uses to let a batch grow while the one before it runs.
 
 Anything else is an :class:`~hcqa.errors.InvalidCommand` that names what ``serve`` takes.
 """
@@ -60,6 +63,7 @@ class Target:
     platform: str = "hcqa"
     backend: str = "hcqa"
     source: Any = None  # what it was made from (statistics())
+    serial: bool = False  # runs its batches one after another (a models.Model)
 
     def statistics(self) -> Any:
         stats = getattr(self.source, "statistics", None)
@@ -211,6 +215,7 @@ def _from_model(model: Any) -> Target:
         platform="onnxruntime_onnx" if backend == "onnxruntime" else "hcqa",
         backend=backend,
         source=model,
+        serial=True,
     )
 
 
