@@ -20,7 +20,7 @@ device's fence is a ``loop.call_later`` timer that ends the park, after which th
 value is checked for progress like the trio path does.
 
 Memory-only producers: the owner also re-reads memory on the backoff timer of
-``_signals/rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 64 ms), exactly as if
+``_signals/rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 75 ms), exactly as if
 the eventfd had fired.
 """
 
