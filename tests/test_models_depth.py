@@ -134,3 +134,44 @@ async def test_depth_one_runs_one_call_at_a_time_and_depth_is_checked() -> None:
             np.testing.assert_array_equal(got[i], 2 * _rows(float(i)))
         with pytest.raises(InvalidCommand, match=r"'depth' must be >= 1 \(got 0\)"):
             await hcqa.models.load_onnx("missing.onnx", device=dev, depth=0)
+
+
+class Recording(Session):
+    """A Session that also notes each run's first value, in the order the device ran them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[float] = []
+
+    def run(self, _: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.armed:
+            self.order.append(float(feeds["x"][0, 0]))
+        return super().run(_, feeds)
+
+
+async def test_calls_reach_the_device_in_call_order_behind_a_cancelled_ones_replay() -> None:
+    """A cancelled call leaves its replay on its slot; the next call to take that slot waits for
+    it. A call after that one, taking the other (free) slot, must not overtake it: a model with
+    state (a KV cache written at ``start_pos``) sees the calls in the order they were made."""
+    session = Recording()
+    async with hcqa.open_device("cpu:0") as dev:
+        model = await _model(dev, session, depth=2)
+        session.armed = True
+        with trio.CancelScope() as scope:  # queued, then cancelled: its replay holds on
+            scope.cancel()
+            await model(_rows(1.0))
+        assert await trio.to_thread.run_sync(session.holding.wait, WAIT)
+        got: dict[float, Any] = {}
+
+        async def call(first: float) -> None:
+            got[first] = await model(_rows(first))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, 2.0)  # takes the cancelled call's slot: waits for its replay
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(call, 3.0)  # the other slot is free
+            await trio.testing.wait_all_tasks_blocked()
+            session.release.set()
+        assert session.order == [1.0, 2.0, 3.0]
+        for first in (2.0, 3.0):
+            np.testing.assert_array_equal(got[first], 2 * _rows(first))

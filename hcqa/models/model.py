@@ -29,7 +29,9 @@ buffer hazards as eager work), so a model with state sees the calls in that orde
 one slot. A slot is taken under a ``trio.Semaphore`` of ``depth`` (a further caller waits);
 it returns to the pool when its call is answered, and a cancelled caller's slot first waits
 for the replay it left queued (the next user of the slot awaits it) before its staging
-arrays are touched again.
+arrays are touched again. Calls submit in the order they took their slots (a FIFO
+``trio.Lock`` from slot to submit): one waiting for such a replay holds back the calls after
+it rather than letting one on a free slot overtake it.
 """
 
 from __future__ import annotations
@@ -99,10 +101,12 @@ class Bucket:
     lifted: Lifted | None = None  # what it was built from (None: an opaque kernel)
     free: list[Slot] = attrs.field(init=False)
     limit: trio.Semaphore = attrs.field(init=False)
+    order: trio.Lock = attrs.field(init=False)  # held from taking a slot to its submit
 
     def __attrs_post_init__(self) -> None:
         self.free = list(reversed(self.slots))  # slot 0 is taken first
         self.limit = trio.Semaphore(len(self.slots))
+        self.order = trio.Lock()
 
     @property
     def graph(self) -> Graph:
@@ -356,17 +360,26 @@ class Model:
         try:
             slot = bucket.free.pop()
             try:
-                if slot.pending is not None:  # a replay a cancelled call left running
-                    await slot.pending
-                    slot.pending = None
-                for host, a in zip(slot.host_in, arrays, strict=True):
-                    if self._batched:
-                        host[:rows] = a
-                        host[rows:] = 0
-                    else:
-                        host[...] = a
-                slot.failure = None
-                slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
+                # submits in call order: a call waiting for its slot's old replay holds back
+                # the calls after it (trio's Lock is FIFO), as one slot would
+                try:
+                    bucket.order.acquire_nowait()
+                except trio.WouldBlock:
+                    await bucket.order.acquire()
+                try:
+                    if slot.pending is not None:  # a replay a cancelled call left running
+                        await slot.pending
+                        slot.pending = None
+                    for host, a in zip(slot.host_in, arrays, strict=True):
+                        if self._batched:
+                            host[:rows] = a
+                            host[rows:] = 0
+                        else:
+                            host[...] = a
+                    slot.failure = None
+                    slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
+                finally:
+                    bucket.order.release()
                 await slot.pending
                 slot.pending = None
                 if slot.failure is not None:  # a Python kernel refused this input
