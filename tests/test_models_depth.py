@@ -175,3 +175,40 @@ async def test_calls_reach_the_device_in_call_order_behind_a_cancelled_ones_repl
         assert session.order == [1.0, 2.0, 3.0]
         for first in (2.0, 3.0):
             np.testing.assert_array_equal(got[first], 2 * _rows(first))
+
+
+async def test_callers_woken_together_for_free_slots_still_submit_in_call_order() -> None:
+    """Calls 3 and 4 wait for a slot while 1 (held in the kernel) and 2 are in flight; 1 and
+    2 are cancelled in one round of the event loop, so 3 and 4 are woken together -- and trio
+    runs a round's tasks in either order. 4 must still not submit before 3 (trial after
+    trial: each trial, half the time 4 runs first)."""
+    async with hcqa.open_device("cpu:0") as dev:
+        for _ in range(12):
+            session = Recording()
+            model = await _model(dev, session, depth=2)
+            session.armed = True
+            got: dict[float, Any] = {}
+            scopes = [trio.CancelScope(), trio.CancelScope()]
+
+            async def call(first: float, model: Model = model, got: dict[float, Any] = got) -> None:
+                got[first] = await model(_rows(first))
+
+            async def cancelled(first: float, scope: trio.CancelScope) -> None:
+                with scope:
+                    await call(first)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancelled, 1.0, scopes[0])
+                assert await trio.to_thread.run_sync(session.holding.wait, WAIT)
+                nursery.start_soon(cancelled, 2.0, scopes[1])
+                for first in (3.0, 4.0):
+                    await trio.testing.wait_all_tasks_blocked()
+                    nursery.start_soon(call, first)
+                await trio.testing.wait_all_tasks_blocked()
+                for scope in scopes:  # both slots come free in this round
+                    scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                session.release.set()
+            assert session.order == [1.0, 2.0, 3.0, 4.0]
+            for first in (3.0, 4.0):
+                np.testing.assert_array_equal(got[first], 2 * _rows(first))

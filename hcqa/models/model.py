@@ -29,9 +29,9 @@ buffer hazards as eager work), so a model with state sees the calls in that orde
 one slot. A slot is taken under a ``trio.Semaphore`` of ``depth`` (a further caller waits);
 it returns to the pool when its call is answered, and a cancelled caller's slot first waits
 for the replay it left queued (the next user of the slot awaits it) before its staging
-arrays are touched again. Calls submit in the order they took their slots (a FIFO
-``trio.Lock`` from slot to submit): one waiting for such a replay holds back the calls after
-it rather than letting one on a free slot overtake it.
+arrays are touched again. Calls submit in the order they were made: each holds a FIFO
+``trio.Lock`` from its start to its submit, so neither a waiter woken for a free slot nor one
+waiting for its slot's old replay is overtaken by a later call.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Bucket:
     lifted: Lifted | None = None  # what it was built from (None: an opaque kernel)
     free: list[Slot] = attrs.field(init=False)
     limit: trio.Semaphore = attrs.field(init=False)
-    order: trio.Lock = attrs.field(init=False)  # held from taking a slot to its submit
+    order: trio.Lock = attrs.field(init=False)  # held from the call to its submit
 
     def __attrs_post_init__(self) -> None:
         self.free = list(reversed(self.slots))  # slot 0 is taken first
@@ -112,6 +112,14 @@ class Bucket:
     def graph(self) -> Graph:
         """The first slot's Graph (every slot's records the same work)."""
         return self.slots[0].graph
+
+
+async def _take(lock: trio.Lock | trio.Semaphore) -> None:
+    """``lock.acquire()``, in this step where it is free (no round of the event loop)."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
 
 
 def copy_in(buf: Buffer, host: np.ndarray) -> Fence:
@@ -353,45 +361,42 @@ class Model:
             return await aio.call(self.__call__, *arrays, **variables)
         rows, bucket = self._check(arrays, variables)
         vals = {n: int(v) for n, v in variables.items()}
-        try:  # a free slot (at most len(bucket.slots) calls in flight), at once if one is
-            bucket.limit.acquire_nowait()  # free: queued in this step, no round of the loop
-        except trio.WouldBlock:
-            await bucket.limit.acquire()
+        # Calls submit in the order they were made: each takes the FIFO ``order`` lock first
+        # and holds it until it has submitted -- through the wait for a free slot (a woken
+        # waiter may run after one woken later in the same round) and for its slot's old replay
+        await _take(bucket.order)  # at once if free: queued in this step, no round of the loop
         try:
-            slot = bucket.free.pop()
+            await _take(bucket.limit)  # a free slot: at most len(bucket.slots) calls in flight
+        except BaseException:
+            bucket.order.release()
+            raise
+        slot = bucket.free.pop()
+        try:
             try:
-                # submits in call order: a call waiting for its slot's old replay holds back
-                # the calls after it (trio's Lock is FIFO), as one slot would
-                try:
-                    bucket.order.acquire_nowait()
-                except trio.WouldBlock:
-                    await bucket.order.acquire()
-                try:
-                    if slot.pending is not None:  # a replay a cancelled call left running
-                        await slot.pending
-                        slot.pending = None
-                    for host, a in zip(slot.host_in, arrays, strict=True):
-                        if self._batched:
-                            host[:rows] = a
-                            host[rows:] = 0
-                        else:
-                            host[...] = a
-                    slot.failure = None
-                    slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
-                finally:
-                    bucket.order.release()
-                await slot.pending
-                slot.pending = None
-                if slot.failure is not None:  # a Python kernel refused this input
-                    why, slot.failure = slot.failure, None
-                    raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
-                outs = tuple((h[:rows] if self._batched else h).copy() for h in slot.host_out)
+                if slot.pending is not None:  # a replay a cancelled call left running
+                    await slot.pending
+                    slot.pending = None
+                for host, a in zip(slot.host_in, arrays, strict=True):
+                    if self._batched:
+                        host[:rows] = a
+                        host[rows:] = 0
+                    else:
+                        host[...] = a
+                slot.failure = None
+                slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
             finally:
-                bucket.free.append(slot)
+                bucket.order.release()
+            await slot.pending
+            slot.pending = None
+            if slot.failure is not None:  # a Python kernel refused this input
+                why, slot.failure = slot.failure, None
+                raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
+            outs = tuple((h[:rows] if self._batched else h).copy() for h in slot.host_out)
             self._calls += 1
             if self._batched:
                 self._padded += slot.host_in[0].shape[0] - rows
         finally:
+            bucket.free.append(slot)
             bucket.limit.release()
         return outs[0] if len(outs) == 1 else outs
 
