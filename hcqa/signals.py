@@ -26,7 +26,8 @@ by its run's re-reader (``_signals/rereader.py``), which writes the eventfd of a
 whose value changed. A value written only to memory is therefore seen within
 ``BACKOFF_MAX`` (plus scheduling) however long the wait has lasted, and an idle
 wait costs about ``1 / BACKOFF_MAX`` short wake-ups a second, under 1 % of a core
-(on a VM whose vCPUs wake cold, about what a bare trio timer of that period costs). There is no spin budget at all.
+(on a VM whose vCPUs wake cold, about what a bare trio timer of that period costs).
+There is no spin budget at all.
 
 Breaking: a faulted device (or :meth:`Signal.close`) *breaks* a signal with an
 exception. Waiters whose target is already reached return normally; all others

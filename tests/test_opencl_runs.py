@@ -203,7 +203,9 @@ async def test_cancelled_waiters_and_a_close_with_runs_in_flight(gated: bool) ->
         y[get_global_id(0)] = acc;
     }
     """
-    n, launches, submits = 1000, 8, 6
+    # ~8 ms a launch here: the 5 submits in flight hold ~0.3 s of work, far longer than the
+    # submits take and the 1 ms deadline below, however loaded the host
+    n, launches, submits = 100_000, 8, 6
     async with hcqa.open_device("opencl:0") as d:
         _gate(d, gated)
         spin = d.program("spin", slow)
@@ -221,9 +223,8 @@ async def test_cancelled_waiters_and_a_close_with_runs_in_flight(gated: bool) ->
         out = np.empty(N, np.uint32)
         with trio.fail_after(10):
             await y.copyout(out)
-        acc = 0
-        for _ in range(n * launches * submits):
-            acc = (acc * 3 + 1) & 0xFFFFFFFF
+        k = n * launches * submits  # acc -> 3 acc + 1, k times from 0: (3**k - 1) / 2
+        acc = ((pow(3, k, 2**33) - 1) // 2) % 2**32
         assert out.tolist() == [acc] * N
         late = [q.submit() for _ in range(2)]  # left in flight: the close waits for them
     assert all(f.reached for f in fences + late)
