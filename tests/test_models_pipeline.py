@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from _kinds import specs
 
 import hcqa
@@ -363,3 +364,42 @@ async def test_a_decoder_keeps_its_kv_cache_on_one_stage_and_generates_the_model
         lo, hi = next(iter(together.values()))
         with pytest.raises(hcqa.InvalidCommand, match="must stay on one stage"):
             models.pipeline(m, devices=[d0, d1], cuts=[hi])
+
+
+async def test_callers_woken_together_for_free_slots_still_run_in_call_order() -> None:
+    """A model with state (``s = x - s``) pipelined with depth 2: calls 3 and 4 wait for a
+    slot; both slots come free in one round of the event loop (here: the two units the test
+    held), and trio runs a round's woken tasks in either order. 4 must still reach the device
+    after 3 (trial after trial: each trial, half the time 4 is woken first)."""
+    from tinygrad import Tensor
+
+    async with hcqa.open_devices("cpu:0") as (dev,):
+        where = models.tinygrad_device(dev)
+        s = Tensor.zeros(4, device=where).contiguous().realize()
+        ones = Tensor(np.ones(4, np.float32), device=where).realize()
+
+        def step(x: Any) -> Any:
+            s.assign(x - s).realize()
+            return (s * ones).contiguous()
+
+        m = await models.from_tinygrad(step, [np.zeros(4, np.float32)], device=dev)
+        pipe = models.pipeline(m, [dev], depth=2)
+        await pipe.build()
+        state = 0.0
+        for _ in range(12):
+            got: dict[float, float] = {}
+
+            async def call(x: float, got: dict[float, float] = got) -> None:
+                got[x] = float((await pipe(np.full(4, x, np.float32)))[0])
+
+            for _ in range(2):  # as two calls in flight would
+                await pipe._limit.acquire()
+            async with trio.open_nursery() as nursery:
+                for x in (5.0, 1.0):
+                    nursery.start_soon(call, x)
+                    await trio.testing.wait_all_tasks_blocked()
+                pipe._limit.release()  # both slots free in this round
+                pipe._limit.release()
+            first = 5.0 - state
+            state = 1.0 - first
+            assert got == {5.0: first, 1.0: state}

@@ -19,7 +19,8 @@ engines), its kernels, the outputs it holds copied out. The slot's own graph rec
 stages' graphs in order (``g.submit()`` inside a capture), so a call is one replay. Slots share no
 per-call buffer, so slot ``k + 1``'s first stage runs while slot ``k``'s second does.
 
-``await pipe(x)`` takes a free slot (a ``trio.Semaphore`` of ``depth``: backpressure), writes
+``await pipe(x)`` takes a first-come lock (held until its submit: calls reach the devices in
+the order they were made) and a free slot (a ``trio.Semaphore`` of ``depth``: backpressure), writes
 the arrays into its staging arrays, replays its graph (one submit per queue) and awaits it;
 ``await pipe.map(xs)`` keeps up to ``depth`` calls in flight and returns the answers in order.
 Cancelling a caller stops its wait at once; its slot returns to the pool only once the work
@@ -29,7 +30,7 @@ already queued on it is done, so the devices stay usable and the next call is co
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -177,6 +178,7 @@ class ModelPipeline:
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._limit = trio.Semaphore(depth)
+        self._order = trio.Lock()  # held by a call from its start to its submit (FIFO)
         self._building = trio.Lock()
         self._completed = self._cancelled = 0
 
@@ -302,25 +304,46 @@ class ModelPipeline:
         rows = self._check(arrays, variables)
         if not self._slots:
             await self.build()
-        await self._limit.acquire()
         return await self._run(arrays, rows, variables)
 
-    async def _run(self, arrays: Sequence[np.ndarray], rows: int, variables: dict[str, Any]) -> Any:
-        """Holds one unit of self._limit; releases it (or hands it to a reclaimer)."""
+    async def _run(
+        self,
+        arrays: Sequence[np.ndarray],
+        rows: int,
+        variables: dict[str, Any],
+        queued: Callable[[], None] | None = None,
+    ) -> Any:
+        """One call: takes the FIFO ``_order`` lock, then a unit of ``_limit``, which it
+        releases (or hands to a reclaimer); ``queued()`` once it is submitted.
+
+        The lock is held until the submit: calls reach the devices in the order they were
+        made (a model with state sees them so), though trio runs the tasks it wakes in one
+        round -- two waiters for free slots -- in either order."""
+        await self._order.acquire()
+        try:
+            await self._limit.acquire()
+        except BaseException:
+            self._order.release()
+            raise
         slot = self._free.pop()
         handed_off = False
         try:
-            while short := [a for a, k in slot.need.items() if a.room < k]:
-                await short[0].wait_for_space()
-            for host, a in zip(slot.host_in, arrays, strict=True):
-                if self._batched:
-                    shaped = host.reshape(self._rows, *a.shape[1:])
-                    shaped[:rows] = a
-                    shaped[rows:] = 0
-                else:
-                    host[...] = a.reshape(-1)
-            vals = {n: int(v) for n, v in variables.items()}
-            fence: Fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
+            try:
+                while short := [a for a, k in slot.need.items() if a.room < k]:
+                    await short[0].wait_for_space()
+                for host, a in zip(slot.host_in, arrays, strict=True):
+                    if self._batched:
+                        shaped = host.reshape(self._rows, *a.shape[1:])
+                        shaped[:rows] = a
+                        shaped[rows:] = 0
+                    else:
+                        host[...] = a.reshape(-1)
+                vals = {n: int(v) for n, v in variables.items()}
+                fence: Fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
+            finally:
+                self._order.release()
+            if queued is not None:
+                queued()
             try:
                 await fence
             except (trio.Cancelled, asyncio.CancelledError):
@@ -364,18 +387,26 @@ class ModelPipeline:
         results: list[Any] = [None] * len(calls)
         errors: list[BaseException] = []
 
-        async def one(i: int, scope: trio.CancelScope) -> None:
+        async def one(i: int, scope: trio.CancelScope, task_status: trio.TaskStatus[None]) -> None:
+            started = False
+
+            def queued() -> None:
+                nonlocal started
+                started = True
+                task_status.started()
+
             try:
-                results[i] = await self._run(calls[i], rows[i], variables)
+                results[i] = await self._run(calls[i], rows[i], variables, queued)
             except Exception as exc:
                 if all(exc is not e for e in errors):
                     errors.append(exc)
                 scope.cancel()
+                if not started:
+                    task_status.started()
 
         async with trio.open_nursery() as nursery:
-            for i in range(len(calls)):
-                await self._limit.acquire()
-                nursery.start_soon(one, i, nursery.cancel_scope, name=f"pipeline.map item {i}")
+            for i in range(len(calls)):  # each queued before the next starts: in order
+                await nursery.start(one, i, nursery.cancel_scope, name=f"pipeline.map item {i}")
         if len(errors) == 1:
             raise errors[0]
         if errors:
