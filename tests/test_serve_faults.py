@@ -189,3 +189,119 @@ async def test_a_fault_names_the_owner_of_the_batch_that_failed() -> None:
         assert seen == [-1]
         assert errors[culprit] is errors[innocent]  # sticky: one instance for both
         assert getattr(errors[culprit], "owner", None) is culprit
+
+
+class Queued:
+    """The embedding again, one row a run (``max_batch=1``). Round ``k``: the ``k``-th bad
+    row's kernel holds until the innocent's ``k``-th run has queued behind it on the same
+    device, then faults; so each fault reaches the innocent, and names the bad run."""
+
+    name = "embed"
+    batch_sizes = (1,)
+
+    def __init__(self, rounds: int) -> None:
+        self.inputs = (("ids", (None, 4), np.dtype(np.int32)),)
+        self.outputs = (("out", (None, 4), np.dtype(np.float32)),)
+        self.holding = [threading.Event() for _ in range(rounds)]
+        self.gate = [threading.Event() for _ in range(rounds)]
+        self.queued = [trio.Event() for _ in range(rounds)]
+        self.bad_runs = self.innocent_runs = 0
+        self.builds: list[hcqa.Device] = []
+        self.pipe: Any = None
+        self.device: Any = None
+        self.fault_seen = trio.Event()  # a bad run's fault, before it is handled
+        self.handle = trio.Event()
+
+    def kernel(self, out: npt.NDArray[Any], ids: npt.NDArray[Any]) -> None:
+        if ((ids < 0) | (ids >= VOCAB)).any():
+            k = self.bad_runs
+            self.bad_runs += 1
+            if k < len(self.holding):
+                self.holding[k].set()
+                self.gate[k].wait(30)
+            raise IndexError(f"token id {int(ids.max())} is out of the vocabulary")
+        out[...] = ids * 1.5
+
+    @asynccontextmanager
+    async def build(self) -> AsyncIterator[Any]:
+        async with hcqa.open_device("cpu:0") as d:
+            self.builds.append(d)
+            self.device = d
+            program = d.program("embed", self.kernel)
+            stage = hcqa.Stage(device=d, program=program, out_dtype="float32")
+            self.pipe = hcqa.Pipeline([stage], in_shape=(1, 4), dtype="int32", depth=2)
+            yield self
+
+    async def __call__(self, ids: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        k = self.innocent_runs
+        if ids[0, 0] == INNOCENT and k < len(self.holding):
+            self.innocent_runs += 1
+            await trio.to_thread.run_sync(self.holding[k].wait, abandon_on_cancel=True)
+            self.queued[k].set()
+        try:
+            return await self.pipe(ids)  # type: ignore[no-any-return]
+        except DeviceFault:
+            if ids[0, 0] == VOCAB + 1:  # hold the fault unhandled until told
+                self.fault_seen.set()
+                await self.handle.wait()
+            raise
+
+
+async def test_other_requests_faults_never_spend_an_innocents_retries() -> None:
+    """Four bad requests, one after another, each fault reaching the same innocent request
+    queued behind the bad one: four rebuilds, more than a request's own tries, none of them
+    the innocent's doing. It reruns on each new build and gets its answer; each bad request
+    gets its own error."""
+    rounds = 4
+    q = Queued(rounds)
+    async with hosted(Model(name="embed", build=q.build, max_batch=1)) as h:
+        answers: dict[int, Any] = {}
+
+        async def ask(key: int, first: int) -> None:
+            try:
+                answers[key] = await h.run(_row(first))
+            except Exception as exc:
+                answers[key] = exc
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, -1, INNOCENT)
+                for k in range(rounds):
+                    nursery.start_soon(ask, k, 90 + k)
+                    await q.queued[k].wait()
+                    await trio.testing.wait_all_tasks_blocked()
+                    q.gate[k].set()
+        innocent = answers.pop(-1)
+        assert not isinstance(innocent, Exception), innocent
+        np.testing.assert_array_equal(innocent[0], [[6.0, 1.5, 3.0, 4.5]])
+        assert q.innocent_runs == rounds and len(q.builds) == rounds + 1  # the race, each time
+        for k in range(rounds):
+            assert isinstance(answers[k], DeviceFault), answers[k]
+            assert f"token id {90 + k} is out of the vocabulary" in str(answers[k])
+
+
+async def test_a_request_arriving_before_a_fault_is_handled_waits_for_the_rebuild() -> None:
+    """The device has faulted but the faulting run has not yet reported it (the model is
+    still 'ready'): a request arriving then waits for the rebuild, not 503."""
+    q = Queued(0)
+    async with hosted(Model(name="embed", build=q.build, max_batch=1)) as h:
+        answers: dict[int, Any] = {}
+
+        async def ask(first: int) -> None:
+            try:
+                answers[first] = await h.run(_row(first))
+            except Exception as exc:
+                answers[first] = exc
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, VOCAB + 1)
+                await q.fault_seen.wait()
+                assert h.state == "ready" and h.unavailable()  # faulted, not yet handled
+                nursery.start_soon(ask, 2)
+                await trio.testing.wait_all_tasks_blocked()
+                q.handle.set()
+        assert isinstance(answers[VOCAB + 1], DeviceFault), answers[VOCAB + 1]
+        assert not isinstance(answers[2], Exception), answers[2]
+        np.testing.assert_array_equal(answers[2][0], [[3.0, 1.5, 3.0, 4.5]])
+        assert len(q.builds) == 2

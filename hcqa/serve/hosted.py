@@ -26,7 +26,9 @@ requests then get the error if the batch was one request, and are retried once, 
 alone, if it held several (the one whose input raises fails again alone and gets the
 error; the others are answered). A request whose batch failed because an *earlier*
 generation faulted (it was queued or running meanwhile) never counts as tried: it waits
-for the new generation and runs again.
+for the new generation and runs again. A request that arrives after a fault but before a
+run has handled it (the model still ready, its devices faulted) waits up to ``_FAULT_WAIT``
+for the recovery to begin, rather than 503.
 
 Runs overlap (other requests' batches, the alone retries, direct runs), and a device fault
 is sticky: every run in flight on the device sees the same error, in no set order. So the
@@ -36,12 +38,14 @@ while it queues, the device notes the owner of each batch, and a kernel's or cop
 ``hcqa/devices/faults.py``). Only the run it names is blamed; every other run it reached
 is stale (runs again on the next generation). A fault nobody owns (a hang, a fault outside
 any command, a driver that could not tell, a ``ProcessPipeline``'s or a callable's
-device) is blamed on a single-request run only if no other run overlapped it; an
-overlapped one is stale, up to ``_STALE_RETRIES`` times. Without ``build``, a faulted
+device) is blamed on a single-request run only if no other run overlapped it. A request's
+tries (``_TRIES``) count only runs that may have been its own fault: an overlapped run's
+unattributed fault. A stale rerun (another run's fault, or it never ran) costs it nothing;
+those are bounded apart (``_REBUILDS``), so nothing loops for ever. Without ``build``, a faulted
 model stays unavailable (readiness false) and its requests get 503.
 
 :class:`Hosted` also counts what Triton's statistics extension reports (success, fail,
-queue and compute times, per batch size): :meth:`Hosted.triton_stats`.
+queue and compute times, per batch size), for :func:`hcqa.serve.v2.triton_stats`.
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ from hcqa.serve.tensors import Packing, TensorSpec
 __all__ = ["Hosted", "Model", "ModelFailed", "Unavailable", "error_status"]
 
 Arrays = tuple[npt.NDArray[Any], ...]
-_STALE_RETRIES = 3  # a request may outlive this many generations before it gives up
+_TRIES = 3  # runs that may have faulted by the request's own work, before it gives up
+_REBUILDS = 16  # reruns for other runs' faults (or never run): a bound, not a budget
+_FAULT_WAIT = 1.0  # seconds a request waits for a faulted device's recovery to begin
 
 
 @attrs.frozen(kw_only=True)
@@ -122,7 +128,10 @@ class _Failed(Exception):
     def __init__(self, error: Exception, retry: str) -> None:
         super().__init__(str(error))
         self.error = error
-        self.retry = retry  # "stale": run again, "alone": run once more by itself, "": give up
+        # "stale": not its fault (another run's, or it never ran): run again, free;
+        # "maybe": an unattributed fault it may have caused: run again, one of its _TRIES;
+        # "alone": run once more by itself; "": give up
+        self.retry = retry
 
 
 @attrs.define
@@ -322,7 +331,7 @@ class Hosted:
                 check({s.name: x for s, x in zip(self.inputs, xs, strict=True)})
             except (ValueError, InvalidCommand) as exc:
                 raise InvalidCommand(f"model '{self.name}' refused the input: {exc}") from None
-        alone = stale = 0
+        alone = tried = stale = 0
         while True:
             target, gen = await self._current()
             try:
@@ -331,30 +340,44 @@ class Hosted:
                     return Packing(target.outputs).split(row[None])
                 return await self._chunks(target, xs, gen)
             except _Failed as f:
-                if f.retry == "stale" and stale < _STALE_RETRIES:
+                if f.retry == "stale" and stale < _REBUILDS:
                     stale += 1
+                    continue
+                if f.retry == "maybe" and tried < _TRIES:
+                    tried += 1
                     continue
                 if f.retry == "alone" and not alone:
                     alone = 1
                     continue
                 raise f.error from None
             except DeviceClosed:  # the batcher closed under it: a recovery began
-                if stale >= _STALE_RETRIES or self.generation == gen:
+                if stale >= _REBUILDS or self.generation == gen:
                     raise
                 stale += 1
 
     async def _current(self) -> tuple[Target, int]:
-        """The ready target and its generation; waits while the model recovers."""
-        while self.state == "recovering":
-            if self._ready_event is None:
-                self._ready_event = trio.Event()
-            await self._ready_event.wait()
-        if self.state != "ready" or self.target is None:
-            raise Unavailable(f"model '{self.name}' is not ready ({self.unavailable()})")
-        bad = [d.name for d in self.target.devices if d.faulted or d.closed]
-        if bad:
-            raise Unavailable(f"model '{self.name}': devices {', '.join(bad)} unusable")
-        return self.target, self.generation
+        """The ready target and its generation; waits while the model recovers, and (up to
+        ``_FAULT_WAIT``) for the recovery of a faulted device whose fault is not yet handled."""
+        waited = False
+        while True:
+            if self.state == "recovering":
+                await self._ready_wait()
+                continue
+            if self.state != "ready" or self.target is None:
+                raise Unavailable(f"model '{self.name}' is not ready ({self.unavailable()})")
+            bad = [d.name for d in self.target.devices if d.faulted or d.closed]
+            if not bad:
+                return self.target, self.generation
+            if waited or self.model.build is None:
+                raise Unavailable(f"model '{self.name}': devices {', '.join(bad)} unusable")
+            waited = True  # a run in flight will report the fault: wait for the rebuild
+            with trio.move_on_after(_FAULT_WAIT):
+                await self._ready_wait()
+
+    async def _ready_wait(self) -> None:
+        if self._ready_event is None:
+            self._ready_event = trio.Event()
+        await self._ready_event.wait()
 
     async def _chunks(self, target: Target, xs: Arrays, gen: int) -> Arrays:
         """Run ``n`` rows in chunks of ``target.rows``, up to ``depth`` chunks at once."""
@@ -415,7 +438,11 @@ class Hosted:
         owner = exc.owner if isinstance(exc, DeviceFault) else None
         mine = "alone" if requests > 1 else ""
         if gen != self.generation:  # an earlier failure began a recovery meanwhile
-            return _Failed(exc, mine if owner is me else "stale")
+            if owner is me:
+                return _Failed(exc, mine)
+            if owner is not None or isinstance(exc, DeviceClosed):
+                return _Failed(exc, "stale")  # another run's fault, or it never ran
+            return _Failed(exc, "maybe")
         faulted = [d for d in target.devices if d.faulted or d.closed]
         if faulted and self.model.build is not None and self._recover is not None:
             self.generation += 1
@@ -427,7 +454,7 @@ class Hosted:
             if owner is not None:
                 return _Failed(exc, "stale")  # another run's work faulted the device
             if self._running.get(me) and requests == 1:
-                return _Failed(exc, "stale")  # unattributed, and not ours alone: not tried
+                return _Failed(exc, "maybe")  # unattributed, and not ours alone
         return _Failed(exc, mine)
 
     def _count_batch(self, n: int, t_in: float, t_infer: float, t_out: float) -> None:
@@ -442,42 +469,6 @@ class Hosted:
         row = self.by_size.setdefault(n, [_Times(), _Times(), _Times()])
         for times, t in zip(row, (t_in, t_infer, t_out), strict=True):
             times.add(t)
-
-    # -- statistics ------------------------------------------------------------------------
-
-    def triton_stats(self) -> dict[str, Any]:
-        """This model's entry of Triton's statistics extension (``model_stats``)."""
-        stats = None if self.batcher is None else self.batcher.statistics()
-        queue = {"count": 0, "ns": 0}  # the batcher's: a direct run does not queue
-        if stats is not None:
-            queue = {"count": stats.samples, "ns": int(stats.queue_wait_total * 1e9)}
-        return {
-            "name": self.name,
-            "version": self.version,
-            "last_inference": self.last_inference_ms,
-            "inference_count": self.inferences,
-            "execution_count": self.executions,
-            "inference_stats": {
-                "success": self.success.doc(),
-                "fail": self.fail.doc(),
-                "queue": queue,
-                "compute_input": self.compute_input.doc(),
-                "compute_infer": self.compute_infer.doc(),
-                "compute_output": self.compute_output.doc(),
-                "cache_hit": {"count": 0, "ns": 0},
-                "cache_miss": {"count": 0, "ns": 0},
-            },
-            "batch_stats": [
-                {
-                    "batch_size": size,
-                    "compute_input": t[0].doc(),
-                    "compute_infer": t[1].doc(),
-                    "compute_output": t[2].doc(),
-                }
-                for size, t in sorted(self.by_size.items())
-            ],
-            "memory_usage": [],
-        }
 
 
 def error_status(exc: Exception) -> tuple[int, str]:

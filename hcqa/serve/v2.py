@@ -236,10 +236,10 @@ class V2:
         m = self._lookup(request)
         if isinstance(m, Response):
             return m
-        return _json(200, {"model_stats": [m.triton_stats()]})
+        return _json(200, {"model_stats": [triton_stats(m)]})
 
     async def all_stats(self, request: Request) -> Response:
-        return _json(200, {"model_stats": [m.triton_stats() for m in self.models.values()]})
+        return _json(200, {"model_stats": [triton_stats(m) for m in self.models.values()]})
 
     async def model_ready(self, request: Request) -> Response:
         m = self._lookup(request)
@@ -372,3 +372,38 @@ class _Answer(Exception):
     def __init__(self, response: Response) -> None:
         super().__init__(response.status_code)
         self.response = response
+
+
+def triton_stats(h: Hosted) -> dict[str, Any]:
+    """A served model's entry of Triton's statistics extension (``model_stats``)."""
+    stats = None if h.batcher is None else h.batcher.statistics()
+    queue = {"count": 0, "ns": 0}  # the batcher's: a direct run does not queue
+    if stats is not None:
+        queue = {"count": stats.samples, "ns": int(stats.queue_wait_total * 1e9)}
+    return {
+        "name": h.name,
+        "version": h.version,
+        "last_inference": h.last_inference_ms,
+        "inference_count": h.inferences,
+        "execution_count": h.executions,
+        "inference_stats": {
+            "success": h.success.doc(),
+            "fail": h.fail.doc(),
+            "queue": queue,
+            "compute_input": h.compute_input.doc(),
+            "compute_infer": h.compute_infer.doc(),
+            "compute_output": h.compute_output.doc(),
+            "cache_hit": {"count": 0, "ns": 0},
+            "cache_miss": {"count": 0, "ns": 0},
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": t[0].doc(),
+                "compute_infer": t[1].doc(),
+                "compute_output": t[2].doc(),
+            }
+            for size, t in sorted(h.by_size.items())
+        ],
+        "memory_usage": [],
+    }
