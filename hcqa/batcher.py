@@ -25,6 +25,9 @@ end, as with one slot.
 
 The call that fills a batch while a slot is free starts it itself (a round of the event
 loop sooner than the collector would: under load, a round runs every connection's task).
+So does a batch that ends, for the batch its end makes ready (the running one's end lets a
+serial target's partial batch go, or frees the slot a full one waits for): the device gets
+the next batch in the step that sees the last one end, not a round later.
 Each batch runs in its own task: the samples are stacked into one array (for a
 pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
 once, and row ``i`` of its result is copied to request ``i`` (the padding rows are
@@ -227,23 +230,26 @@ class Batcher:
                         break
                     await self._sleep(math.inf)
                     continue
-                if self._in_flight >= self.depth:
-                    await self._sleep(math.inf)
-                    continue
-                full = len(self._pending) >= self.max_batch
-                if self.serial and self._in_flight and not full and not self._closed:
-                    await self._sleep(math.inf)  # it grows until full or the running one ends
-                    continue
-                deadline = self._pending[0].arrived + self.max_wait
-                ready = (
-                    full or self._in_flight == 0 or self._closed or trio.current_time() >= deadline
-                )
-                if not ready:
-                    await self._sleep(deadline)
+                when = self._due()
+                if when > trio.current_time():
+                    await self._sleep(when)  # inf: until a slot frees or the batch fills
                     continue
                 self._dispatch()
             # closed and nothing pending: the nursery waits for the running batches
             self._nursery = None
+
+    def _due(self) -> float:
+        """When the oldest pending requests are to start as a batch (some are pending): now
+        (-inf), at their ``max_wait`` deadline, or not before a batch ends or more arrive
+        (inf) -- the rules of the module doc."""
+        if self._in_flight >= self.depth:
+            return math.inf
+        full = len(self._pending) >= self.max_batch
+        if full or self._in_flight == 0 or self._closed:
+            return -math.inf
+        if self.serial:
+            return math.inf  # it grows until full or the running one ends
+        return self._pending[0].arrived + self.max_wait
 
     def _dispatch(self) -> None:
         """Start a batch of the oldest pending requests (the caller saw it ready)."""
@@ -310,6 +316,8 @@ class Batcher:
             for r in batch:
                 r.done.set()
             self._in_flight -= 1
+            if self._pending and self._nursery is not None and self._due() <= trio.current_time():
+                self._dispatch()  # in this step: the device need not wait a round of the loop
             self._wake.set()
 
     def _close(self, *, failed: bool) -> None:

@@ -232,6 +232,35 @@ async def test_the_call_that_fills_a_batch_starts_it_in_its_own_step() -> None:
     assert spawns.spawned_by[1] == "second of two"
 
 
+@pytest.mark.parametrize(
+    ("depth", "serial", "max_batch"),
+    [(1, False, 2), (2, True, 4)],
+    ids=["slot-freed", "serial-partial"],
+)
+async def test_a_batch_that_ends_starts_the_next_in_its_own_step(
+    depth: int, serial: bool, max_batch: int
+) -> None:
+    """When a batch ends and the pending requests are ready to go (the slot it frees, or a
+    serial target's partial batch that waited for it), the ending batch's step starts them:
+    no round of the collector while the device idles."""
+    target = Recorder(gated=True)
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        async with opened(target, max_batch=max_batch, depth=depth, serial=serial) as batch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(batch, sample(0))
+                await target.entered.wait()  # batch 1 runs (the target was idle), blocked
+                nursery.start_soon(batch, sample(1))  # waits: no slot, or a serial partial
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(target.batches) == 1
+                target.gate.set()
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert [len(b) for b in target.batches] == [1, 1]
+    assert spawns.spawned_by == ["hcqa.batcher.Batcher.run", "hcqa.batcher.Batcher._run_batch"]
+
+
 async def test_a_cancelled_pending_caller_leaves_the_queue() -> None:
     target = Recorder(gated=True)
     async with opened(target) as batch:
