@@ -1,5 +1,6 @@
-"""The lean enqueue of an OpenCL queue (``lean.py``, ``LeanEnqueue._lean``): a lone launch or copy with its
-queue signal and timeline step, and the launch record a program's repeat calls share.
+"""The lean enqueue of an OpenCL queue (``LeanEnqueue._lean``, ``lean.py``): a lone launch or
+copy with its queue signal and timeline step, and the launch record a program's repeat calls
+share.
 
 What the lean path must keep of the general one: a driver refusal at enqueue faults the device
 with the driver's error as its cause, and a transfer's step on the other device still
