@@ -78,7 +78,6 @@ __all__ = ["ClExecutor", "Segment"]
 _EXEC, _COPY, _LOAD, _RUN = cmd.Exec, cmd.Copy, cmd.Load, ClRun
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _BIND = cmd.Bind
-_NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 # Segments of one queue in the driver at once (see the module doc): enough to keep a device
 # fed while the pump refills, few enough that a cancelled close waits for little.
 WINDOW = 4
@@ -117,6 +116,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
         self._gate: list[Gate] | None = None  # Gates the next driver command waits for
         self._own: Signal | None = None  # this queue's signal (set by the device)
         self._bound: list[Any] = [{}]  # the values of the latest Bind (see program.Patched)
+        self._served: Any = None  # tracing: the served source of the run being enqueued
         # (one CPU for the process: a run's launches wait for a gate, ``runs.py``)
         self._gate_context = int(device.context.int_ptr) if one_cpu() else 0
 
@@ -215,9 +215,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
         if hook is not None:  # (every kernel a range of its own: a native run's one by one)
             run = [x for c in run for x in (c.execs if type(c) is _RUN else (c,))]
             traced = []
-            track = hook._engines.get(self) or hook._track(self)
-            hook.engine_run(self, run, _NO_HANDLERS)  # takes the flows waiting for this run
-            flows, track.pending = track.pending, None
+            flows, self._served = hook.driver_run(self, run)  # the flows into it, who sent it
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
@@ -389,7 +387,9 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
         seg.gates = gates
         seg.words, seg.address = words, _ = self.device._slots.take()
         if traced is not None:  # the pump sets every signal after recording its producer
-            seg.traced, seg.flows = traced, flows
+            seg.traced, seg.flows, served = traced, flows, self._served
+            if served is not None:  # the run's first segment takes the arrow, all its tag
+                seg.served, self._served = served, (None, served[1])
         elif books:
             seg.books = self._native_stores(seg, books)
             if not seg.books and not self.backlog:  # all done by the callback: the pump
