@@ -10,36 +10,37 @@ requests, up to ``max_batch`` of them, as one batch when
 
 - a slot is free (at most ``depth`` batches run at once: the target's own depth for a
   pipeline, so batches queue here, where they can still grow, not inside the pipeline),
-- and one of: the batch is full; the oldest request has waited ``max_wait``; or **no
-  batch is running at all** -- the target is idle, so waiting could only add latency. A
-  lone caller therefore pays no ``max_wait``; under load the target is busy, requests
-  pile up while it works, and batches fill by themselves.
+- and one of: the batch is full; the oldest request has waited ``max_wait``; or **no batch
+  is running at all** -- the target is idle, so waiting could only add latency. A lone
+  caller pays no ``max_wait``; under load requests pile up while the target works, and
+  batches fill by themselves.
 
 A *serial* target (a ``models.Model``: its slots share one set of buffers, so its batches
-run one after another) takes a second batch only to queue it behind the running one, so
-that the device goes on without waiting for the event loop. A batch that is not full gains
-nothing by leaving early there: it would only wait on the device, with fewer rows, and the
-rows that arrive meanwhile would make a batch more. So while a serial target runs a batch,
-only a full one is queued behind it; one that is not full waits for the running batch to
-end, as with one slot.
+run one after another) takes a second batch only to queue it behind the running one, so that
+the device goes on without waiting for the event loop. A batch that is not full gains nothing
+by leaving early there: it would only wait on the device, with fewer rows, and the rows that
+arrive meanwhile would make a batch more. So while a serial target runs a batch, only a full
+one is queued behind it; one that is not full waits for the running batch to end.
 
 The call that fills a batch while a slot is free starts it itself (a round of the event
 loop sooner than the collector would: under load, a round runs every connection's task).
-Each batch runs in its own task: the samples are stacked into one array (for a
-pipeline with a fixed batch dimension, padded with zeros up to it), the target runs
-once, and row ``i`` of its result is copied to request ``i`` (the padding rows are
-dropped). An exception from the target is handed to exactly the callers of that batch.
+A batch's task that sees its batch end runs the batch that end made ready (a serial
+target's partial one, or a full one waiting for the slot) itself, in that very step: the
+next batch reaches the device with no round of the event loop (nor a task start) between.
+A batch: its samples stacked into one array (padded with zeros up to a pipeline's fixed
+batch dimension), the target run once, row ``i`` of its result copied to request ``i``
+(padding dropped); an exception from the target goes to exactly the callers of that batch.
 
-Cancellation: a caller cancelled while its request is still pending removes it from the
-FIFO (nothing ran); one cancelled after dispatch just stops waiting -- its row is
-computed with the others and dropped, so the rest of its batch is unharmed.
+Cancellation: a caller cancelled while its request is still pending removes it from the FIFO
+(nothing ran); one cancelled after dispatch just stops waiting -- its row is computed with
+the others and dropped, so the rest of its batch is unharmed.
 
-Closing: leaving the ``async with`` block normally stops new calls (``DeviceClosed``),
-runs what is pending and waits for the running batches. Leaving it by an exception
-cancels the batches; every caller still waiting gets ``DeviceClosed``.
+Closing: leaving the ``async with`` block normally stops new calls (``DeviceClosed``), runs
+what is pending and waits for the running batches. Leaving it by an exception cancels the
+batches; every caller still waiting gets ``DeviceClosed``.
 
-Nothing spins: the collector sleeps on a ``trio.Event`` (woken by a new request or a
-finished batch) or until the oldest request's ``max_wait`` deadline.
+Nothing spins: the collector sleeps on a ``trio.Event`` (woken by a new request or a finished
+batch) or until the oldest request's ``max_wait`` deadline.
 
 ::
 
@@ -227,31 +228,34 @@ class Batcher:
                         break
                     await self._sleep(math.inf)
                     continue
-                if self._in_flight >= self.depth:
-                    await self._sleep(math.inf)
-                    continue
-                full = len(self._pending) >= self.max_batch
-                if self.serial and self._in_flight and not full and not self._closed:
-                    await self._sleep(math.inf)  # it grows until full or the running one ends
-                    continue
-                deadline = self._pending[0].arrived + self.max_wait
-                ready = (
-                    full or self._in_flight == 0 or self._closed or trio.current_time() >= deadline
-                )
-                if not ready:
-                    await self._sleep(deadline)
+                when = self._due()
+                if when > trio.current_time():
+                    await self._sleep(when)  # inf: until a slot frees or the batch fills
                     continue
                 self._dispatch()
             # closed and nothing pending: the nursery waits for the running batches
             self._nursery = None
 
+    def _due(self) -> float:
+        """When the pending requests go as a batch: now (-inf), at the oldest's ``max_wait``
+        deadline, or once a batch ends or more arrive (inf): the module doc's rules."""
+        if self._in_flight >= self.depth:
+            return math.inf
+        full = len(self._pending) >= self.max_batch
+        if full or self._in_flight == 0 or self._closed:
+            return -math.inf
+        if self.serial:
+            return math.inf  # it grows until full or the running one ends
+        return self._pending[0].arrived + self.max_wait
+
     def _dispatch(self) -> None:
         """Start a batch of the oldest pending requests (the caller saw it ready)."""
         assert self._nursery is not None
-        n = min(self.max_batch, len(self._pending))
-        batch = [self._pending.popleft() for _ in range(n)]
+        self._nursery.start_soon(self._run_batches, self._take(), name=self._task_name)
+
+    def _take(self) -> list[_Request]:  # the oldest pending requests, as a batch in flight
         self._in_flight += 1
-        self._nursery.start_soon(self._run_batch, batch, name=self._task_name)
+        return [self._pending.popleft() for _ in range(min(self.max_batch, len(self._pending)))]
 
     @property
     def _task_name(self) -> str:
@@ -265,6 +269,14 @@ class Batcher:
         else:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 await self._wake.wait()
+
+    async def _run_batches(self, batch: list[_Request]) -> None:
+        """Run ``batch``; then, in the step that saw it end, each batch its end made ready."""
+        while True:
+            await self._run_batch(batch)
+            if not (self._pending and self._nursery and self._due() <= trio.current_time()):
+                return
+            batch = self._take()  # submitted before this step ends: no round of the loop
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         now = trio.current_time()

@@ -30,14 +30,16 @@ of a 2-stage MLP with 13 ms stages, against 0.65 ms this way).
 From an asyncio task (see ``hcqa.aio``) a call that finds a free slot and no call in
 line before it runs on that task. When it is the only one in flight it runs *step by
 step*: it enqueues the slot's copy-in, transfers, programs and copy-out one at a time,
-each once the one before is reached, awaiting each fence on the asyncio loop. Each enqueue
-then finds its hazards done and goes straight to an idle engine, so no queue actor -- no
-trio task -- is woken (under asyncio a trio wake-up costs an extra thread hand-off through
-trio's guest I/O thread). It keeps its place in line until its last step is queued; a
-call that joins the line behind it makes it queue the rest at once. With other calls in
-flight it replays the graph as under trio, so the queue actors chain the stages without
-waiting for a busy asyncio loop between them. A call that must wait runs in the trio
-host, its place in line taken before it goes there.
+each once the one before is reached (awaited on the asyncio loop, unless already reached),
+so each enqueue finds its hazards done and goes straight to an idle engine: no trio task
+is woken (under asyncio that costs a hand-off through trio's guest I/O thread). Where the
+devices allow it, the steps on one device go as one batch, a *leg* (``_pipelegs.py``): one
+hand-off per device. It keeps its place in line until its last step (or leg) is queued; a
+call that joins the line behind it makes it queue its remaining steps at once (legs keep
+their waits: the host gates the waits between devices). With other calls in flight it
+replays the graph as under trio, so the queue actors chain the stages without a busy
+asyncio loop between them. A call that must wait runs in the trio host, its place in line
+taken before it goes there.
 
 A Graph stage is recorded into each slot's graph (``g.submit(buffers=...)`` in a capture)
 on the slot's own input and output buffers; what else it uses (weights, scratch) the slots
@@ -55,7 +57,6 @@ one ``DeviceFault`` (an ExceptionGroup only for several different errors).
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -63,12 +64,13 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from hcqa import aio
+from hcqa import _pipecheck, aio
+from hcqa._pipelegs import Leg, plan_legs, reached
 from hcqa._slots import Lease, SlotPool, Turn
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import transfer
-from hcqa.devices.program import Program, check_return
+from hcqa.devices.program import Program
 from hcqa.devices.sizes import check_int, check_plain_dtype, check_sample, check_shape
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
@@ -124,6 +126,7 @@ class _Slot:
     steps: list[Callable[[], Fence]] = attrs.field(factory=list)
     # batches one microbatch sends per queue (copy in, the graph's parts, copy out)
     need: dict[Any, int] = attrs.field(factory=dict)
+    legs: list[Leg] | None = None  # the steps as one batch per device, where possible
 
 
 class Pipeline:
@@ -221,7 +224,7 @@ class Pipeline:
                     continue
                 out = stage.device.alloc(shape=shape, dtype=dtype)
                 if dry_run:
-                    _dry_run(index, stage, prog, out, inp)
+                    _pipecheck.dry_run(index, stage, prog, out, inp)
                 steps.append(
                     functools.partial(
                         prog,
@@ -236,6 +239,7 @@ class Pipeline:
                 steps[-1]()
                 inp = out
         slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)
+        slot.legs = plan_legs(steps, first, inp)
         out_queue = inp.device._copyout_queue(on_compute=True)  # as _run's copy-out
         for a in [first.device.copy, *(p.actor for p in graph._plan.parts), out_queue]:
             slot.need[a] = slot.need.get(a, 0) + 1
@@ -277,24 +281,32 @@ class Pipeline:
         """One microbatch on ``lease``'s slot; leaves its turn once all of it is queued.
 
         ``stepwise`` (an asyncio caller, see the module doc): enqueue the graph's steps
-        one by one, each after the last one's fence, instead of replaying the graph -- until
-        a call waits in line behind it: then the rest at once."""
+        (or legs) one by one, each once the last one is reached, instead of replaying it --
+        steps, not legs, go at once when a call waits in line behind it."""
         with lease:
             slot = lease.slot
             while short := [a for a, k in slot.need.items() if a.room < k]:
                 await short[0].wait_for_space()
             result = np.empty(self.out_shape, self.out_dtype)
-            fence = lease.fence = slot.inp.copyin(arr)
-            if stepwise:
-                for step in slot.steps:
-                    if not lease.behind():
+            legs = slot.legs if stepwise else None
+            fence = legs[0].submit(arr, result) if legs else slot.inp.copyin(arr)
+            lease.fence = fence
+            if legs:  # (the first leg copies arr in, the last one copies out)
+                for leg in legs[1:]:
+                    if not reached(fence):
                         await fence
-                    fence = lease.fence = step()
-                if not lease.behind():
-                    await fence
+                    fence = lease.fence = leg.submit(arr, result)
             else:
-                slot.graph.submit()
-            fence = lease.fence = slot.out.device._copyout(slot.out, result, on_compute=True)
+                if stepwise:
+                    for step in slot.steps:
+                        if not (lease.behind() or reached(fence)):
+                            await fence
+                        fence = lease.fence = step()
+                    if not (lease.behind() or reached(fence)):
+                        await fence
+                else:
+                    slot.graph.submit()
+                fence = lease.fence = slot.out.device._copyout(slot.out, result, on_compute=True)
             lease.queued()
             await fence
         self._completed += 1
@@ -330,61 +342,6 @@ class Pipeline:
 def check_input(x: npt.ArrayLike, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """``x`` as an array, if it is a pipeline input of ``shape`` and ``dtype``."""
     return check_sample("pipeline input", x, shape, dtype)
-
-
-def _dry_run(index: int, stage: Stage, prog: Program, out: Buffer, inp: Buffer) -> None:
-    """Call a Python stage once on zeros of its declared shapes and dtypes, on this thread,
-    so a wrong or missing ``out_shape`` (numpy's "could not broadcast"), a stage that fails
-    on its arguments, or one that returns its result instead of writing ``out`` is an
-    ``InvalidCommand`` now, not a sticky ``DeviceFault`` at the first microbatch. C and
-    OpenCL programs, and stages whose vals or sizes are Variables, are not dry-run."""
-    fn = prog.fn
-    if fn is None or prog.kernel is not None or type(prog) is not Program:
-        return  # a C kernel, or a device's own program kind (OpenCL's)
-    sizes = {n: _ints3(getattr(stage, n)) for n in prog.geometry}
-    if not all(type(v) is int for v in stage.vals) or None in sizes.values():
-        return
-    bufs = (out, inp, *stage.params)
-    arrays = [_scratch(b) for b in bufs]
-    what = (
-        f"stage {index} ({prog.name!r}) failed a dry run on zeros of its declared shapes "
-        f"(input {_describe(inp)}, out {_describe(out)})"
-    )
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            got = fn(*arrays, *stage.vals, **sizes)
-        except Exception as exc:
-            raise InvalidCommand(
-                f"{what}: {type(exc).__name__}: {exc}; give the stage the out_shape / out_dtype "
-                "it writes (Stage(..., out_shape=...)), or build with check=False for a stage "
-                "that must not run outside the pipeline"
-            ) from exc
-    try:
-        check_return(prog.name, got, [arrays[i] for i in prog.access(len(arrays))[0]])
-    except InvalidCommand as exc:
-        raise InvalidCommand(f"stage {index}: {exc}") from None
-
-
-def _ints3(value: object) -> tuple[int, int, int] | None:
-    """A stage's launch size as the kernel receives it, or None if a Variable is in it."""
-    dims = (value,) if not isinstance(value, (tuple, list)) else tuple(value)
-    if not all(type(d) is int for d in dims):
-        return None
-    full = (*dims, 1, 1, 1)
-    return full[0], full[1], full[2]
-
-
-def _scratch(buf: Buffer) -> npt.NDArray[Any]:
-    """Zeros shaped as the kernel's view of ``buf`` (what the engine hands it)."""
-    dtype = np.dtype(buf.dtype if buf.dtype is not None else np.uint8)
-    shape = buf.shape if buf.shape is not None else (buf.nbytes // dtype.itemsize,)
-    return np.zeros(shape, dtype)
-
-
-def _describe(buf: Buffer) -> str:
-    arr = _scratch(buf)
-    return f"{arr.dtype}{list(arr.shape)}"
 
 
 def _dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:

@@ -232,6 +232,54 @@ async def test_the_call_that_fills_a_batch_starts_it_in_its_own_step() -> None:
     assert spawns.spawned_by[1] == "second of two"
 
 
+class _Steps(trio.abc.Instrument):
+    """Counts task steps: two moments in one step read the same count."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize(
+    ("depth", "serial", "max_batch"),
+    [(1, False, 2), (2, True, 4)],
+    ids=["slot-freed", "serial-partial"],
+)
+async def test_a_batch_that_ends_starts_the_next_in_its_own_step(
+    depth: int, serial: bool, max_batch: int
+) -> None:
+    """When a batch ends and the pending requests are ready to go (the slot it frees, or a
+    serial target's partial batch that waited for it), the next batch reaches the target in
+    the step that saw the first end: no round of the event loop while the device idles."""
+    steps = _Steps()
+    seen: list[tuple[str, int]] = []
+
+    async def target(x: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        seen.append(("in", steps.count))
+        if len(seen) == 1:
+            await gate.wait()
+        seen.append(("out", steps.count))
+        return x * 10
+
+    gate = trio.Event()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with opened(target, max_batch=max_batch, depth=depth, serial=serial) as batch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(batch, sample(0))
+                await trio.testing.wait_all_tasks_blocked()  # batch 1 runs, blocked
+                nursery.start_soon(batch, sample(1))  # waits: no slot, or a serial partial
+                await trio.testing.wait_all_tasks_blocked()
+                assert [k for k, _ in seen] == ["in"]
+                gate.set()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert [k for k, _ in seen] == ["in", "out", "in", "out"]
+    assert seen[2][1] == seen[1][1]  # batch 2 went in within the step batch 1 came out
+
+
 async def test_a_cancelled_pending_caller_leaves_the_queue() -> None:
     target = Recorder(gated=True)
     async with opened(target) as batch:

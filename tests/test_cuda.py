@@ -214,6 +214,38 @@ async def test_copies_and_saxpy_against_numpy() -> None:
 
 
 @gpu
+async def test_completions_nobody_waits_for_write_no_queue_eventfd() -> None:
+    """The host function writes a queue signal's eventfd only for a listed waiter (its wake
+    word, ``hcqa_signal_complete``), as the OpenCL callback does; a waiter is still woken."""
+
+    def writes(sig: Any) -> int:
+        try:
+            return os.eventfd_read(sig.fd)
+        except BlockingIOError:
+            return 0
+
+    async with hcqa.open_device("cuda:0") as g:
+        y = g.alloc(shape=(64,), dtype="int32")
+        k = g.program("inc", SOURCE)
+        compute, copy = g._queues["compute"].signal, g._queues["copy"].signal
+        await y.copyin(np.zeros(64, np.int32))
+        writes(compute), writes(copy)
+        for _ in range(5):
+            await k(y, global_size=(1, 1, 1), local_size=(64, 1, 1))
+            await y.copyin(np.zeros(64, np.int32))
+        assert (writes(compute), writes(copy)) == (0, 0)
+        compute._rereads = False  # only the eventfd wakes the wait below
+        target = compute.value + 1
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(compute.wait, target)
+                await trio.testing.wait_all_tasks_blocked()
+                fence = k(y, global_size=(1, 1, 1), local_size=(64, 1, 1))
+            await fence
+        assert compute.value >= target
+
+
+@gpu
 async def test_large_copies_go_through_the_staging_buffer_in_chunks() -> None:
     from hcqa.devices.cuda.executor import STAGING
 

@@ -255,21 +255,32 @@ async def test_idle_wait_costs_under_one_percent_of_a_core() -> None:
     # The wait costs its memory re-reads' timer (1/BACKOFF_MAX wake-ups a second) and
     # nothing else: < 1 % of a core where a wake-up is cheap; on a VM whose vCPUs wake
     # cold (~0.5 ms of CPU a wake-up of a trio run) the timer alone approaches 1 %, so the
-    # bound is 0.5 % above what a bare trio timer of that period (75 ms) costs here and now.
-    floor = await _timer_floor(0.075)
+    # bound is 0.5 % above what a bare trio timer of that period (75 ms) costs here and now,
+    # measured just before. Other processes' load makes wake-ups dearer at random, so the
+    # pair is measured up to three times and the best one counts; a re-reader ticking every
+    # 16 ms costs ~4x the floor and fails all three.
+    tries: list[tuple[float, float]] = []
     async with hcqa.open_device("opencl:0") as g:
         y = g.alloc(shape=(4,), dtype="int32")
         k = g.program("inc", SOURCE)
         await k(y)
-        s = hcqa.Signal()
-        g.compute_queue().wait(s, 1).exec(k, (y,)).submit()
-        cpu0 = _cpu_seconds()
-        await trio.sleep(1.0)
-        used = _cpu_seconds() - cpu0
-        bound = max(0.01, floor + 0.005)
-        assert used < bound, f"{used * 1000:.2f} ms of CPU while a queue waited 1 s ({floor=})"
-        s.value = 1
-        await g.synchronize()
+        before = (await _read(y))[0]
+        for _ in range(3):
+            floor = await _timer_floor(0.075)
+            s = hcqa.Signal()
+            g.compute_queue().wait(s, 1).exec(k, (y,)).submit()
+            cpu0 = _cpu_seconds()
+            await trio.sleep(1.0)
+            used = _cpu_seconds() - cpu0
+            s.value = 1
+            await g.synchronize()
+            tries.append((used, floor))
+            if used < max(0.01, floor + 0.005):
+                break
+        else:
+            shown = ", ".join(f"{u * 1000:.2f} ms (floor {f * 1000:.2f})" for u, f in tries)
+            raise AssertionError(f"CPU while a queue waited 1 s, three tries: {shown}")
+        assert (await _read(y))[0] == before + len(tries)  # each wait then ran its kernel
 
 
 async def test_transfers_between_all_kinds_of_pairs(tmp_path: Path) -> None:

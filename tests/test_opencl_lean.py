@@ -1,5 +1,6 @@
-"""The lean enqueue of an OpenCL queue (``ClExecutor._lean``): a lone launch or copy with its
-queue signal and timeline step, and the launch record a program's repeat calls share.
+"""The lean enqueue of an OpenCL queue (``LeanEnqueue._lean``, ``lean.py``): a lone launch or
+copy with its queue signal and timeline step, and the launch record a program's repeat calls
+share.
 
 What the lean path must keep of the general one: a driver refusal at enqueue faults the device
 with the driver's error as its cause, and a transfer's step on the other device still
@@ -87,3 +88,57 @@ async def test_repeat_calls_share_the_launch_record_and_never_use_stale_memory()
         await whole.copyout(full)
         assert list(full[:4]) == [4] * 4 and list(full[align : align + 4]) == [4] * 4
         assert full.sum() == 32
+
+
+async def test_a_command_complete_at_its_enqueue_is_done_without_a_segment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone launch or copy that the driver completed inside its enqueue call (as a pinned
+    host's PoCL does for small ones) is over when the callback's registration returns: no
+    segment is made, its slot is back, its fence reached; a clock sample is still taken
+    when one is due (through a segment). Made deterministic by waiting for each command
+    inside the driver call."""
+    from hcqa.devices.opencl import lean
+
+    async with hcqa.open_device("opencl:0") as g:
+        a = g.alloc(shape=(4,), dtype="int32")
+        k = g.program("inc", INC)
+        await a.copyin(np.zeros(4, np.int32))
+        for _ in range(20):  # past the first clock samples (every completion takes one)
+            await k(a, global_size=(4, 1, 1))
+        ex: Any = g.compute.engine
+        cx: Any = g.copy.engine
+        launch, copy = ex._launch, cx._copy
+
+        def launch_and_wait(*args: Any) -> Any:
+            event = launch(*args)
+            event.wait()
+            return event
+
+        def copy_and_wait(*args: Any) -> Any:
+            event = copy(*args)
+            event.wait()
+            return event
+
+        made: list[Any] = []
+
+        class Counted(lean.Segment):
+            def __init__(self, *args: Any) -> None:
+                super().__init__(*args)
+                made.append(self)
+
+        monkeypatch.setattr(lean, "Segment", Counted)
+        ex._launch, cx._copy = launch_and_wait, copy_and_wait
+        host = np.zeros(4, np.int32)
+        g._drain([ex, cx])  # (the warm-up's last segments: fired, left to the next tidy)
+        done, sampled = ex.completed + cx.completed, g._sampled
+        for i in range(300):
+            fence = k(a, global_size=(4, 1, 1)) if i % 2 else a.copyout(host)
+            assert fence.reached
+            assert not ex.pending and not cx.pending and g._slots.in_use == 0
+            await fence
+        assert ex.completed + cx.completed - done == 300
+        assert g._sampled - sampled == 300
+        assert 1 <= len(made) <= 2  # the completions that took a sample (every 256th)
+        await a.copyout(host)
+        np.testing.assert_array_equal(host, [170] * 4)

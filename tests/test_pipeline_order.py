@@ -47,7 +47,8 @@ def _copy(out: F32, a: F32) -> None:
 
 
 def _pipe(d0: hcqa.Device, d1: hcqa.Device, stage: Running) -> hcqa.Pipeline:
-    return hcqa.Pipeline([(d0, stage), (d1, _copy)], in_shape=(4,), depth=2, check=False)
+    """The state on the last stage: a call that overtakes another's later legs shows there."""
+    return hcqa.Pipeline([(d0, _copy), (d1, stage)], in_shape=(4,), depth=2, check=False)
 
 
 def _units(pipe: hcqa.Pipeline) -> trio.Semaphore:
@@ -140,9 +141,9 @@ def test_asyncio_callers_handed_to_the_host_together_run_in_call_order() -> None
 
 
 def test_an_asyncio_call_behind_one_run_step_by_step_runs_after_it() -> None:
-    """The first asyncio call finds the pipeline idle and runs step by step (each step once
-    the one before is done); a second, made while the first waits for its copy-in, must not
-    reach the stage before it."""
+    """The first asyncio call finds the pipeline idle and runs step by step (each device's
+    leg once the one before is done); a second, made while the first waits for its first
+    leg, must not reach the last stage before it."""
 
     async def main() -> None:
         async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):

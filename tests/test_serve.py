@@ -386,6 +386,26 @@ def test_cli_serve_reports_a_busy_port_in_one_line(capsys: pytest.CaptureFixture
     assert "Address already in use" in err
 
 
+def test_cli_serve_settles_the_garbage_collector_once_models_are_ready() -> None:
+    """What ``hcqa serve`` built is frozen out of later collections (a full collection
+    walked it all, stalling the loop 15-45 ms under load) and the youngest generation is
+    collected every ``GC_GEN0`` allocations, not 700."""
+    import gc
+
+    from hcqa.cli.serve import GC_GEN0, _settle_gc
+
+    before = gc.get_threshold()
+    try:
+        gc.unfreeze()
+        kept = [[n] for n in range(100)]  # built before serving: lives as long as the server
+        _settle_gc()
+        assert gc.get_freeze_count() >= len(kept)
+        assert gc.get_threshold() == (GC_GEN0, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
 def slow_double_10ms(out: np.ndarray, x: np.ndarray) -> None:
     time.sleep(0.01)  # busy devices: single samples pile up behind a running batch
     np.multiply(x, 2, out=out)

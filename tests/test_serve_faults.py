@@ -199,8 +199,12 @@ class Queued:
     name = "embed"
     batch_sizes = (1,)
 
-    def __init__(self, rounds: int) -> None:
+    def __init__(self, rounds: int, *, innocent_first: bool = False) -> None:
         self.inputs = (("ids", (None, 4), np.dtype(np.int32)),)
+        # innocent_first: the innocent's failure is handled before the bad run's, while the
+        # model's generation is still the faulted one (else the scheduler picks the order)
+        self.innocent_first = innocent_first
+        self.innocent_failed = [trio.Event() for _ in range(rounds)]
         self.outputs = (("out", (None, 4), np.dtype(np.float32)),)
         self.holding = [threading.Event() for _ in range(rounds)]
         self.gate = [threading.Event() for _ in range(rounds)]
@@ -234,34 +238,46 @@ class Queued:
 
     async def __call__(self, ids: npt.NDArray[Any]) -> npt.NDArray[Any]:
         k = self.innocent_runs
-        if ids[0, 0] == INNOCENT and k < len(self.holding):
+        innocent = ids[0, 0] == INNOCENT and k < len(self.holding)
+        if innocent:
             self.innocent_runs += 1
             await trio.to_thread.run_sync(self.holding[k].wait, abandon_on_cancel=True)
             self.queued[k].set()
         try:
             return await self.pipe(ids)  # type: ignore[no-any-return]
-        except DeviceFault:
+        except DeviceFault as exc:
             if ids[0, 0] == VOCAB + 1:  # hold the fault unhandled until told
                 self.fault_seen.set()
                 await self.handle.wait()
+            elif innocent:
+                self.innocent_failed[k].set()  # (handled in this step, as it raises)
+            elif self.innocent_first and f"token id {ids[0, 0]} is" in str(exc):
+                await self.innocent_failed[ids[0, 0] - 90].wait()  # its own kernel's fault
             raise
 
 
-async def test_other_requests_faults_never_spend_an_innocents_retries() -> None:
+@pytest.mark.parametrize("innocent_first", [False, True])
+async def test_other_requests_faults_never_spend_an_innocents_retries(innocent_first: bool) -> None:
     """Four bad requests, one after another, each fault reaching the same innocent request
     queued behind the bad one: four rebuilds, more than a request's own tries, none of them
     the innocent's doing. It reruns on each new build and gets its answer; each bad request
-    gets its own error."""
+    gets its own error. ``innocent_first``: each time the innocent's failure is handled
+    first, so it is the one that finds the fault (named for the bad run) and starts the
+    rebuild."""
     rounds = 4
-    q = Queued(rounds)
+    q = Queued(rounds, innocent_first=innocent_first)
     async with hosted(Model(name="embed", build=q.build, max_batch=1)) as h:
         answers: dict[int, Any] = {}
+
+        answered = {k: trio.Event() for k in range(rounds)}
 
         async def ask(key: int, first: int) -> None:
             try:
                 answers[key] = await h.run(_row(first))
             except Exception as exc:
                 answers[key] = exc
+            if key >= 0:
+                answered[key].set()
 
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
@@ -271,10 +287,12 @@ async def test_other_requests_faults_never_spend_an_innocents_retries() -> None:
                     await q.queued[k].wait()
                     await trio.testing.wait_all_tasks_blocked()
                     q.gate[k].set()
+                    await answered[k].wait()  # (so the next one runs on the next build)
         innocent = answers.pop(-1)
         assert not isinstance(innocent, Exception), innocent
         np.testing.assert_array_equal(innocent[0], [[6.0, 1.5, 3.0, 4.5]])
         assert q.innocent_runs == rounds and len(q.builds) == rounds + 1  # the race, each time
+        assert all(e.is_set() for e in q.innocent_failed)
         for k in range(rounds):
             assert isinstance(answers[k], DeviceFault), answers[k]
             assert f"token id {90 + k} is out of the vocabulary" in str(answers[k])

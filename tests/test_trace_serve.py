@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _kinds import opencl_missing
 
 import hcqa
 from hcqa.serve import Model, serve
@@ -42,16 +43,43 @@ def row_sums(out: np.ndarray, x: np.ndarray) -> None:
     np.sum(x, axis=1, out=out)
 
 
-async def _served_workload(path: Path) -> int:
+def slow_row_sums(out: np.ndarray, x: np.ndarray) -> None:
+    time.sleep(0.004)
+    np.sum(x, axis=1, out=out)
+
+
+TWICE = """
+__kernel void twice(__global float *out, __global const float *x, int n) {
+    int i = get_global_id(0);
+    if (i < n) out[i] = 2.0f * x[i];
+}
+"""
+# the device ranges each batch's kernels show up as, by where the first stage runs
+KERNELS = {"cpu": {"stage0", "stage1"}, "opencl": {"twice", "stage1"}}
+
+
+async def _served_workload(path: Path, kind: str) -> int:
     """``CLIENTS`` clients x ``EACH`` requests (v2 and plain) to a two-device pipeline served
-    as model 'doubler', traced to ``path``; returns how many were answered."""
+    as model 'doubler', traced to ``path``; returns how many were answered. Its first stage
+    runs on ``cpu:0`` or, for ``kind`` opencl, as an OpenCL kernel on ``opencl:0``."""
     answered = 0
     with Tracer(path):
-        async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-            stages = [
-                hcqa.Stage(device=d0, program=slow_double),
-                hcqa.Stage(device=d1, program=row_sums, out_shape=(ROWS,)),
-            ]
+        async with hcqa.open_devices(f"{kind}:0", "cpu:1") as (d0, d1):
+            if kind == "opencl":
+                stages = [
+                    hcqa.Stage(
+                        device=d0,
+                        program=d0.program("twice", TWICE),
+                        vals=(ROWS * WIDTH,),
+                        global_size=(ROWS * WIDTH, 1, 1),
+                    ),
+                    hcqa.Stage(device=d1, program=slow_row_sums, out_shape=(ROWS,)),
+                ]
+            else:
+                stages = [
+                    hcqa.Stage(device=d0, program=slow_double),
+                    hcqa.Stage(device=d1, program=row_sums, out_shape=(ROWS,)),
+                ]
             pipe = hcqa.Pipeline(stages, in_shape=(ROWS, WIDTH), depth=2)
             model = Model(name="doubler", pipeline=pipe, max_wait=0.005)
             async with trio.open_nursery() as nursery:
@@ -94,11 +122,23 @@ async def _served_workload(path: Path) -> int:
     return answered
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param(
+            "opencl",
+            marks=pytest.mark.skipif(opencl_missing() is not None, reason=str(opencl_missing())),
+        ),
+    ],
+)
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("served") / "serve.json"
-    assert trio.run(_served_workload, path) == CLIENTS * EACH
+    assert trio.run(_served_workload, path, request.param) == CLIENTS * EACH
     doc: dict[str, Any] = json.loads(path.read_text())
+    doc["kind"] = request.param
     return doc
 
 
@@ -173,7 +213,7 @@ def test_a_request_links_to_its_batch_and_the_batch_to_its_kernels(
             for r in ranges
             if r["cat"] == "device" and (r.get("args") or {}).get("batch") == number
         }
-        assert {"stage0", "stage1"} <= tagged  # both stages' kernels, one range each
+        assert KERNELS[served["kind"]] <= tagged  # both stages' kernels, one range each
     # every batch's request count is the arrows into it, and they add up to every request
     batches = [by_id[b] for b in seen_batches]
     assert sum(b["args"]["requests"] for b in batches) == len(requests)
@@ -201,7 +241,7 @@ def test_the_plot_names_the_served_rows_and_ties_requests_to_batches_and_kernels
     for c in info.chains:
         assert c.batch.startswith("doubler batch x")
         assert c.requests == int(c.batch.rpartition("x")[2])  # every request of it, tied
-        assert {"stage0", "stage1"} <= set(c.kernels)
+        assert KERNELS[served["kind"]] <= set(c.kernels)
         assert f"batch {c.number}: {c.requests} requests -> {len(c.kernels)} device ranges" in (
             info.legend
         )

@@ -6,7 +6,9 @@
 * ``lane.py`` (C source in ``lane_c.py``) -- the native engine lane's library: the signal
   store native producers use, the C timeline, and the lane thread itself.
 * ``signal_store.h`` -- header-only C for a native producer completing a Signal: store the
-  timestamp and the value, then add 1 to each eventfd (prepend it to the C source that needs it).
+  timestamp and the value, then add 1 to each eventfd; or, for a signal of this process
+  (``hcqa_signal_complete``), only when a listed waiter needs the value (prepend it to the C
+  source that needs it).
 
 It sits at the bottom, beside :mod:`hcqa.errors` (the only hcqa module it imports), so
 any layer that needs a piece of C -- the cpu backend's kernels and native runner, the

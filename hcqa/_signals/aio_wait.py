@@ -21,7 +21,8 @@ value is checked for progress like the trio path does.
 
 Memory-only producers: the owner also re-reads memory on the backoff timer of
 ``_signals/rereader.py`` (a ``loop.call_later`` chain: 1 ms doubling to 75 ms), exactly as if
-the eventfd had fired.
+the eventfd had fired -- unless the signal says every producer writes the eventfd
+(``_rereads`` False: a device's timeline), as a trio owner skips its re-reader.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ParkingLot(Protocol):
 
     _fd: int
     _closed: bool
+    _rereads: bool
 
     @property
     def value(self) -> int: ...
@@ -125,7 +127,8 @@ async def _park(sig: ParkingLot, target: int, observe: bool, limit: float | None
 
                 loop.add_reader(fd, readable)
                 reading = True
-                timer = loop.call_later(BACKOFF_FIRST, reread, BACKOFF_FIRST)
+                if sig._rereads:  # (else every producer writes the eventfd: no timer)
+                    timer = loop.call_later(BACKOFF_FIRST, reread, BACKOFF_FIRST)
                 await fut
                 break
             await fut  # woken: the target is reached, or we now own the eventfd

@@ -53,7 +53,7 @@ from hcqa._native.lane import OP_NOP, OP_PY, OP_SIGNAL, OP_STAMP, OP_STEP, REC
 from hcqa.actors import engine as _engine
 from hcqa.actors.engine import Engine, Handler
 
-__all__ = ["Encoder", "LaneEngine"]
+__all__ = ["PYTHON", "Encoder", "LaneEngine"]
 
 # An encoder turns one command into (record, the signal it writes or None, what the
 # record's addresses point into); None: the command needs Python.
@@ -65,6 +65,10 @@ _STOPPED = object()  # inbox marker: the lane was told to stop; skip what it lef
 # every command, so a command that might later encode -- a signal that lost its peers --
 # only stays on the slower path). A resubmitted Python kernel costs no encoder call.
 _PYTHON: Any = ()
+# Given as a new command's ``native``, it sends the command (and the rest of its run) to
+# the Python thread: a copy ahead of a Python kernel runs there with it, instead of on the
+# lane's thread, which would then hand over to Python (two thread wake-ups, not one).
+PYTHON: Any = _PYTHON
 _SIGNAL, _STAMP, _STEP = cmd.Signal, cmd.Timestamp, cmd.Step
 _pack = REC.pack
 _NOP = _pack(OP_NOP, 0, 0, 0, 0)

@@ -16,6 +16,11 @@ and this device's timeline step -- through the device's C timeline (``hcqa/_nati
 which keeps the completed prefix, the wrap and the wake-ups whatever order steps complete in;
 or, without one, directly when every earlier step is done or enqueued before it on this queue
 (the pump then does the Python timeline's bookkeeping).
+
+A store writes its signal's eventfd only when a waiter of this process needs the value (the
+slot's wake word, ``hcqa_signal_complete`` in ``hcqa/_native/signal_store.h``), as the native
+lane's stores do: a completion nobody waits for costs no syscall. Once the process has forked
+every store writes it (:func:`watch_forks` tells the compiled completion).
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ import os
 import threading
 from typing import Any
 
+from hcqa import signals as _signals
 from hcqa.devices.timeline import WRAP, _value
 from hcqa.signals import Signal
 
-__all__ = ["MAX_STORES", "WORDS", "NativeStores", "SlotTable", "Words", "keep_forever"]
+__all__ = [
+    "MAX_STORES", "WORDS", "NativeStores", "SlotTable", "Words", "keep_forever", "watch_forks",
+]  # fmt: skip
 
 WORDS = 20  # uint64 words per slot
 FIRED, STATUS, FD, NSTORES, STORES = 0, 1, 2, 3, 4
@@ -49,6 +57,17 @@ def _dead() -> int:
         if _dead_fd < 0:
             _dead_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         return _dead_fd
+
+
+def watch_forks(lib: ctypes.CDLL) -> None:
+    """Have the signal stores of ``lib`` (a compiled completion that includes
+    ``signal_store.h``) write every eventfd once the process forks, or at once if it has."""
+    note = lib.hcqa_store_note_fork
+    note.argtypes = []
+    note.restype = None
+    os.register_at_fork(before=note)  # first: a fork after the check below is still seen
+    if _signals._forked:
+        note()
 
 
 def keep_forever(obj: Any) -> None:

@@ -169,6 +169,7 @@ class Hosted:
         self.inferences = 0
         self.last_inference_ms = 0
         self._running: dict[object, bool] = {}  # each run in flight: did another overlap it
+        self._packs: tuple[Target, Packing, Packing] | None = None  # a target's, for its rows
         self._given: Target | None = None  # a ready target, checked before anything starts
         if model.pipeline is not None:
             self._given = as_target(model.pipeline, inputs=model.inputs, outputs=model.outputs)
@@ -336,8 +337,15 @@ class Hosted:
             target, gen = await self._current()
             try:
                 if len(xs[0]) == 1 and self.batcher is not None and not alone:
-                    row = await self.batcher(Packing(target.inputs).join(xs)[0])
-                    return Packing(target.outputs).split(row[None])
+                    packs = self._packs
+                    if packs is None or packs[0] is not target:  # made once per target
+                        packs = self._packs = (
+                            target,
+                            Packing(target.inputs),
+                            Packing(target.outputs),
+                        )
+                    row = await self.batcher(packs[1].join(xs)[0])
+                    return packs[2].split(row[None])
                 return await self._chunks(target, xs, gen)
             except _Failed as f:
                 if f.retry == "stale" and stale < _REBUILDS:

@@ -289,6 +289,7 @@ class Measured:
     def __init__(self, app: ASGIApp, state: State) -> None:
         self.app = app
         self.state = state
+        self._counted: dict[tuple[str, int], tuple[Any, Any]] = {}  # (endpoint, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -320,5 +321,11 @@ class Measured:
             if status[0] == 499:
                 st.disconnects.labels(endpoint).inc()
             else:
-                st.requests.labels(endpoint, str(status[0])).inc()
-                st.latency.labels(endpoint).observe(time.perf_counter() - t0)
+                counted = self._counted.get((endpoint, status[0]))
+                if counted is None:  # labels() takes a lock and formats: once per pair
+                    counted = self._counted[endpoint, status[0]] = (
+                        st.requests.labels(endpoint, str(status[0])),
+                        st.latency.labels(endpoint),
+                    )
+                counted[0].inc()
+                counted[1].observe(time.perf_counter() - t0)

@@ -1,5 +1,6 @@
 """Reading a trace file: loading and checking it, and the view of its tracks that the
-summary (:mod:`hcqa.trace.view`) and the plot (:mod:`hcqa.trace.plotting`) share.
+summary (:mod:`hcqa.trace.view`) and the plot (:mod:`hcqa.trace.plotting`) share; and
+writing one, whole or not at all.
 
 Theory of operation
 -------------------
@@ -17,21 +18,27 @@ process is a device with a track per queue.
 :func:`_view` sorts a checked document into those tracks (device ranges and trio task steps),
 the program's regions and a served model's requests and batches; the helpers below it (busy
 time of overlapping ranges, clipping to a window, readable task labels) serve both readers.
+
+The tracer writes its file with :func:`write_atomically` (a temp file beside it, then one
+rename: a reader never sees half a trace) after :func:`check_writable` refused a path it
+could never write when the tracer was made, not when the run ends and the trace is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from hcqa.errors import HcqaError
+from hcqa.errors import HcqaError, InvalidCommand
 
 __all__ = ["REGION", "TraceFormatError", "check", "load"]
 
@@ -212,3 +219,45 @@ def _unique(labels: Sequence[str]) -> list[str]:
         seen[label] += 1
         out.append(f"{label} #{seen[label]}" if total[label] > 1 else label)
     return out
+
+
+def check_writable(path: str) -> None:
+    """Refuse a trace path that can't be written: its directory is missing or not
+    writable, or the path is a directory. (A temp file is made and removed, the way
+    :func:`write_atomically` will write it.)"""
+    if os.path.isdir(path):
+        raise InvalidCommand(f"Tracer: the trace path must be a file (got a directory: {path!r})")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
+    except OSError as exc:
+        raise InvalidCommand(
+            f"Tracer: can't write the trace to {path!r}: its folder {folder!r} must exist "
+            f"and be writable (got {exc.strerror})"
+        ) from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def write_atomically(target: str, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` as JSON to a fresh temp file (``mkstemp``: unpredictable name,
+    ``O_EXCL``, mode 0600) beside ``target``, then ``os.replace`` it: a planted symlink
+    at ``target`` is replaced, never followed, and readers never see half a file. The
+    trace keeps mode 0600 (only its owner reads it)."""
+    folder = os.path.dirname(os.path.abspath(target))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}") from exc
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OSError(
+                exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}"
+            ) from exc
+        raise

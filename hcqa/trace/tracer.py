@@ -44,13 +44,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import json
 import os
-import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -60,7 +58,7 @@ from hcqa import aio
 from hcqa import commands as cmd
 from hcqa.actors import engine as _engine
 from hcqa.errors import InvalidCommand
-from hcqa.trace import serving
+from hcqa.trace import reading, serving
 
 __all__ = ["TRIO_PID", "Tracer", "instruments_from_env", "region"]
 
@@ -69,6 +67,7 @@ _BOOKKEEPING = frozenset({cmd.Signal, cmd.Timestamp, cmd.MemoryBarrier, cmd.Step
 _PRODUCED_CAP = 4096  # remembered (signal, value) -> producer range entries
 _SUBMITTED_CAP = 256  # submissions from a served request or batch not yet run, per queue
 _SCAN = 16  # of those, how many a run is matched against
+_NO_HANDLERS: dict[type, Any] = {}  # a driver's run: nothing runs on the host
 TRIO_PID = 1  # not 0: Perfetto treats pid 0 as the kernel's swapper
 Span = tuple[int, int, int, int]  # pid, tid, t0 ns, t1 ns
 
@@ -130,7 +129,7 @@ class Tracer(trio.abc.Instrument):
         if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 0:
             raise InvalidCommand(f"'max_events' must be an int >= 0 (got {max_events!r})")
         self.path = os.fspath(path)
-        _check_writable(self.path)  # now, not when the run ends and the trace is lost
+        reading.check_writable(self.path)  # now, not when the run ends and the trace is lost
         self.max_events = max_events
         self.dropped = 0
         self._origin = _now()
@@ -290,6 +289,32 @@ class Tracer(trio.abc.Instrument):
             track.base, track.table = table, {k: partial(track.record, h) for k, h in table.items()}
         return track.table
 
+    def driver_run(self, engine: Any, run: list[Any]) -> tuple[Any, Any]:
+        """A driver's executor (OpenCL, CUDA) enqueues ``run`` now and draws its ranges
+        later, at completion, on another thread: what :meth:`engine_run` noted for it is taken
+        off the track and handed back to travel with the run's segments -- the flows into its
+        first range, and ``(fed, tag)`` when a served request or batch submitted it."""
+        track = self._engines.get(engine) or self._track(engine)
+        self.engine_run(engine, run, _NO_HANDLERS)
+        flows, fed, tag = track.pending, track.fed, track.tag
+        track.pending = track.fed = track.tag = None
+        return flows, (fed, tag) if fed is not None or tag is not None else None
+
+    def driver_ranges(
+        self, engine: Any, flows: Any, served: Any, ranges: Iterable[tuple[Any, int, int]]
+    ) -> _Track:
+        """A driver's segment completed: its ``ranges`` (command, start, end on the host
+        clock), the ``flows`` into the first, ``served`` (from :meth:`driver_run`) drawn."""
+        track = self._engines.get(engine) or self._track(engine)
+        if flows:
+            track.pending = flows
+        if served is not None:
+            track.fed, track.tag = served
+        for command, t0, t1 in ranges:
+            self._range(track, command, t0, t1, None)
+        track.fed = track.tag = None
+        return track
+
     def sent(self, engine: Any, commands: list[Any]) -> None:
         """A queue actor was handed ``commands``: from a served request or batch, note it."""
         src = serving.source.get()
@@ -423,50 +448,8 @@ class Tracer(trio.abc.Instrument):
         other = {"clock": "CLOCK_MONOTONIC", "origin_ns": origin, "dropped_events": self.dropped}
         doc = {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
         target = os.fspath(path) if path is not None else self.path
-        _write_atomically(target, doc)
+        reading.write_atomically(target, doc)
         return target
-
-
-def _check_writable(path: str) -> None:
-    """Refuse a trace path that can't be written: its directory is missing or not
-    writable, or the path is a directory. (A temp file is made and removed, the way
-    :func:`_write_atomically` will write it.)"""
-    if os.path.isdir(path):
-        raise InvalidCommand(f"Tracer: the trace path must be a file (got a directory: {path!r})")
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
-    except OSError as exc:
-        raise InvalidCommand(
-            f"Tracer: can't write the trace to {path!r}: its folder {folder!r} must exist "
-            f"and be writable (got {exc.strerror})"
-        ) from None
-    os.close(fd)
-    os.unlink(tmp)
-
-
-def _write_atomically(target: str, doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` as JSON to a fresh temp file (``mkstemp``: unpredictable name,
-    ``O_EXCL``, mode 0600) beside ``target``, then ``os.replace`` it: a planted symlink
-    at ``target`` is replaced, never followed, and readers never see half a file. The
-    trace keeps mode 0600 (only its owner reads it)."""
-    folder = os.path.dirname(os.path.abspath(target))
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".hcqa-trace-", suffix=".tmp")
-    except OSError as exc:
-        raise OSError(exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}") from exc
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, target)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise OSError(
-                exc.errno, f"hcqa.Tracer can't write the trace to {target!r}: {exc}"
-            ) from exc
-        raise
 
 
 def _task_label(task: trio.lowlevel.Task) -> str:

@@ -60,6 +60,7 @@ from hcqa.devices.nativestores import (  # the completion slot: re-exported
     SlotTable,
     Words,
     keep_forever,
+    watch_forks,
 )
 from hcqa.errors import HcqaError, InvalidCommand, install_hint
 
@@ -265,6 +266,7 @@ class _Native:
                     f"CUDA host-function slots must be {WORDS} words (got {words[0]})"
                 )
             clib = ctypes.CDLL(abi.path)
+            watch_forks(clib)  # its stores wake only listed waiters until the process forks
             self.complete = ctypes.cast(clib.hcqa_cu_complete, ctypes.c_void_p).value or 0
             self.memcpy = ctypes.cast(clib.hcqa_cu_memcpy, ctypes.c_void_p).value or 0
         except (InvalidCommand, OSError):

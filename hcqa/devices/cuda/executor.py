@@ -57,7 +57,6 @@ __all__ = ["SMALL", "STAGING", "CuExecutor", "Segment", "StreamWait", "_Pinned",
 
 _EXEC, _COPY, _LOAD = cmd.Exec, cmd.Copy, cmd.Load
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
-_NO_HANDLERS: dict[type, Any] = {}
 
 
 class StreamWait:
@@ -76,11 +75,12 @@ class Segment:
     """Stream work up to a host function, and what to do once it ran."""
 
     __slots__ = ("address", "books", "end", "events", "flows", "foreign", "hostw", "keep",
-                 "temps", "traced", "what", "words")  # fmt: skip
+                 "served", "temps", "traced", "what", "words")  # fmt: skip
 
     def __init__(self, books: list[tuple[Any, ...]], keep: list[Any], what: str) -> None:
         self.traced: list[tuple[Any, Any, Any]] | None = None  # (command, start, end event)
         self.flows: Any = None
+        self.served: Any = None  # (fed, tag): the served request or batch that sent it
         self.books = (
             books  # ("stamp", signal, event) / ("signal", signal, value) / ("step", tl, seq)
         )
@@ -125,6 +125,7 @@ class CuExecutor(HostCopies, NativeStores):
         self._all_blocks: list[int] = []
         self._post: list[tuple[int, int, int]] = []  # the open segment's copies out of blocks
         self._hostw = 0  # the open segment's copies into host memory
+        self._served: Any = None  # tracing: the served source of the run being enqueued
         self.enqueued = 0  # the highest value of this queue's signal handed to the stream
         self.own: Signal | None = None  # that signal (known from the first run)
         self.device_waits = 0  # Waits ordered on the GPU (``StreamWait``)
@@ -186,9 +187,7 @@ class CuExecutor(HostCopies, NativeStores):
         flows: Any = None
         if hook is not None:
             traced = []
-            track = hook._engines.get(self) or hook._track(self)
-            hook.engine_run(self, run, _NO_HANDLERS)
-            flows, track.pending = track.pending, None
+            flows, self._served = hook.driver_run(self, run)  # the flows into it, who sent it
         books: list[tuple[Any, ...]] = []
         keep: list[Any] = []
         seg_events: list[Any] = []
@@ -295,7 +294,9 @@ class CuExecutor(HostCopies, NativeStores):
         if timed or self.device._wants_sample(self.segments):
             seg.end = self._event(events)
         if traced is not None:
-            seg.traced, seg.flows = traced, flows
+            seg.traced, seg.flows, served = traced, flows, self._served
+            if served is not None:  # the run's first segment takes the arrow, all its tag
+                seg.served, self._served = served, (None, served[1])
         elif books:
             seg.books = self._native_stores(seg, books)
             if not seg.books and seg.end is None:
@@ -352,13 +353,10 @@ class CuExecutor(HostCopies, NativeStores):
         hook = _engine.trace_hook
         if hook is None:
             return
-        track = hook._engines.get(self) or hook._track(self)
         offset = self.device.clock_offset_ns()
-        if seg.flows:
-            track.pending = seg.flows
         ns = self.device._device_ns
-        for command, start, end in seg.traced or ():
-            hook._range(track, command, ns(start) + offset, ns(end) + offset, None)
+        ranges = [(c, ns(start) + offset, ns(end) + offset) for c, start, end in seg.traced or ()]
+        track = hook.driver_ranges(self, seg.flows, seg.served, ranges)
         for book in seg.books:
             if book[0] == "signal" and track.last is not None:
                 hook._produced_by(book[1], book[2], track.last)

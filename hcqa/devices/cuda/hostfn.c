@@ -33,10 +33,9 @@ void hcqa_cu_complete(void *user) {
     clock_gettime(CLOCK_MONOTONIC, &now);
     slot[13] = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
     uint64_t n = slot[3] > 2 ? 2 : slot[3];
-    for (uint64_t i = 0; i < n; i++) {
+    for (uint64_t i = 0; i < n; i++) {  /* eventfds only where a waiter needs the value */
         uint64_t *store = &slot[4 + 3 * i];
-        int fd = (int)(int64_t)store[2];
-        hcqa_signal_store((uint64_t *)(uintptr_t)store[0], store[1], 0, 0, &fd, fd >= 0 ? 1 : 0);
+        hcqa_signal_complete((uint64_t *)(uintptr_t)store[0], store[1], (int)(int64_t)store[2]);
     }
     typedef int (*complete_fn)(void *, uint64_t, int);
     if (slot[10] != 0) ((complete_fn)(uintptr_t)slot[10])((void *)(uintptr_t)slot[11], slot[12], 0);

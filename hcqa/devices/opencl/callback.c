@@ -8,7 +8,9 @@
  *   [1] status     the event's execution status as the driver gave it
  *   [2] fd         the device's completion eventfd, written after ``fired``
  *   [3] n          native signal stores to make first (at most 2)
- *   [4 + 3i ...]   store i: value address, value, eventfd (-1: none)
+ *   [4 + 3i ...]   store i: value address, value, eventfd (-1: none), written only when a
+ *                  waiter of this process needs it (``hcqa_signal_complete``: the slot's wake
+ *                  word); every store's signal is one of this process's own
  *   [10] complete  a timeline's C completion, ``int fn(timeline, seq, foreign)`` (0: none)
  *   [11] timeline  its first argument (the device's C timeline)
  *   [12] seq       the step to complete, after the stores
@@ -33,10 +35,9 @@ void hcqa_cl_complete(void *event, int32_t status, void *user) {
     clock_gettime(CLOCK_MONOTONIC, &now);
     slot[13] = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
     uint64_t n = slot[3] > 2 ? 2 : slot[3];
-    for (uint64_t i = 0; i < n; i++) {
+    for (uint64_t i = 0; i < n; i++) {  /* eventfds only where a waiter needs the value */
         uint64_t *store = &slot[4 + 3 * i];
-        int fd = (int)(int64_t)store[2];
-        hcqa_signal_store((uint64_t *)(uintptr_t)store[0], store[1], 0, 0, &fd, fd >= 0 ? 1 : 0);
+        hcqa_signal_complete((uint64_t *)(uintptr_t)store[0], store[1], (int)(int64_t)store[2]);
     }
     typedef int (*complete_fn)(void *, uint64_t, int);
     if (slot[10] != 0) {  /* the timeline step: its prefix, wrap and wake-ups are the C timeline's */

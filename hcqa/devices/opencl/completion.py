@@ -37,13 +37,14 @@ class Segment:
     """Driver commands up to ``event`` and the work to do once it completed."""
 
     __slots__ = (
-        "address", "books", "event", "flows", "foreign", "gates", "keep", "own", "traced",
-        "what", "words",
+        "address", "books", "event", "flows", "foreign", "gates", "keep", "own", "served",
+        "traced", "what", "words",
     )  # fmt: skip
 
     def __init__(self, event: Any, books: list[tuple[Any, ...]], keep: list[Any], what: Any):
         self.traced: list[tuple[Any, Any]] | None = None  # (command, event) while tracing
         self.flows: Any = None  # a tracer's flow sources into this segment's first range
+        self.served: Any = None  # (fed, tag): the served request or batch that sent it
         self.event = event
         # ("stamp", signal, event or None, start?) / ("signal", signal, value) / ("step", tl, seq)
         self.books = books
@@ -95,15 +96,13 @@ class Completion(NativeStores):
         hook = _engine.trace_hook
         if hook is None:
             return
-        track = hook._engines.get(self) or hook._track(self)
         offset = self.device.clock_offset_ns()
-        if seg.flows:
-            track.pending = seg.flows
+        flows = seg.flows
         if seg.gates:  # waits the driver kept: arrows from their producers' last ranges
-            track.pending = [*(track.pending or ()), *waits.sources(hook, seg.gates)]
-        for command, event in seg.traced or ():
-            profile = event.profile
-            hook._range(track, command, profile.start + offset, profile.end + offset, None)
+            flows = [*(flows or ()), *waits.sources(hook, seg.gates)]
+        traced = seg.traced or ()
+        ranges = [(c, ev.profile.start + offset, ev.profile.end + offset) for c, ev in traced]
+        track = hook.driver_ranges(self, flows, seg.served, ranges)
         for book in seg.books:
             if book[0] == "signal" and track.last is not None:
                 hook._produced_by(book[1], book[2], track.last)

@@ -68,8 +68,8 @@ from hcqa.actors import engine as _engine
 from hcqa.devices.opencl import runtime
 from hcqa.devices.opencl.completion import Completion, Segment, describe
 from hcqa.devices.opencl.copies import DriverCopies
+from hcqa.devices.opencl.lean import LeanEnqueue
 from hcqa.devices.opencl.runs import ClRun, NativeRuns, one_cpu
-from hcqa.devices.opencl.runtime import NSTORES, STORES, TL2_FN, TL_ARG, TL_FN, TL_SEQ, WAKE
 from hcqa.devices.opencl.waits import Gate, hold, wait_list
 from hcqa.signals import Signal
 
@@ -78,13 +78,12 @@ __all__ = ["ClExecutor", "Segment"]
 _EXEC, _COPY, _LOAD, _RUN = cmd.Exec, cmd.Copy, cmd.Load, ClRun
 _SIGNAL, _STEP, _STAMP, _BARRIER = cmd.Signal, cmd.Step, cmd.Timestamp, cmd.MemoryBarrier
 _BIND = cmd.Bind
-_NO_HANDLERS: dict[type, Any] = {}  # what a tracer wraps for a run: nothing runs on the host
 # Segments of one queue in the driver at once (see the module doc): enough to keep a device
 # fed while the pump refills, few enough that a cancelled close waits for little.
 WINDOW = 4
 
 
-class ClExecutor(DriverCopies, NativeRuns, Completion):
+class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
     """Enqueues runs on one in-order OpenCL queue; completion through the device's pump."""
 
     def __init__(
@@ -117,6 +116,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion):
         self._gate: list[Gate] | None = None  # Gates the next driver command waits for
         self._own: Signal | None = None  # this queue's signal (set by the device)
         self._bound: list[Any] = [{}]  # the values of the latest Bind (see program.Patched)
+        self._served: Any = None  # tracing: the served source of the run being enqueued
         # (one CPU for the process: a run's launches wait for a gate, ``runs.py``)
         self._gate_context = int(device.context.int_ptr) if one_cpu() else 0
 
@@ -215,9 +215,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion):
         if hook is not None:  # (every kernel a range of its own: a native run's one by one)
             run = [x for c in run for x in (c.execs if type(c) is _RUN else (c,))]
             traced = []
-            track = hook._engines.get(self) or hook._track(self)
-            hook.engine_run(self, run, _NO_HANDLERS)  # takes the flows waiting for this run
-            flows, track.pending = track.pending, None
+            flows, self._served = hook.driver_run(self, run)  # the flows into it, who sent it
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
@@ -367,86 +365,6 @@ class ClExecutor(DriverCopies, NativeRuns, Completion):
         self.queue.flush()
         self.device._tidy(self)  # segments the callback finished without waking the pump
 
-    def _lean(self, run: list[Any]) -> bool:
-        """The common run -- one launch or copy, this queue's signal, this device's step (and
-        a transfer's step on the other device) -- enqueued with the least Python after the
-        driver call; False (nothing done) for any other run, which ``_enqueue_run`` takes.
-        With fast wake-ups the driver's worker runs the command inside the driver call and the
-        loop's thread resumes with cold caches: the segment's slot is filled first, so only the
-        segment, the callback's registration, a flush and the tidy follow it."""
-        c = run[0]
-        kind = type(c)
-        n = len(run)
-        if n < 3 or (kind is not _EXEC and kind is not _COPY) or _engine.trace_hook is not None:
-            return False
-        sig, step = run[1], run[2]
-        timeline = self.timeline
-        tl_fn = self._native.tl_complete
-        if (
-            type(sig) is not _SIGNAL
-            or sig.signal is not self._own
-            or type(step) is not _STEP
-            or step.timeline is not timeline
-            or not tl_fn
-            or timeline.c_address is None
-            or self.error is not None
-        ):
-            return False
-        foreign: tuple[Any, int] | None = None
-        last = run[3] if n == 4 else None
-        if last is not None and (type(last) is not _STEP or last.timeline.c_address is None):
-            return False
-        words, address = self.device._slots.take()
-        own = sig.signal
-        words[STORES] = own.address
-        value: int = sig.value  # type: ignore[assignment]  # resolved at submit
-        words[STORES + 1] = value
-        words[STORES + 2] = own.fd
-        words[NSTORES] = 1
-        words[TL_FN] = tl_fn
-        words[TL_ARG] = timeline.c_address
-        words[TL_SEQ] = step.seq
-        if last is not None:
-            foreign = self._foreign_step(("step", last.timeline, last.seq), words)
-            if foreign is None:  # the pump completes it
-                words[NSTORES] = 0
-                words[TL_FN] = 0
-                self.device._slots.give(words, address)
-                return False
-        keep: list[Any] = [run]
-        try:
-            if kind is _EXEC:
-                rec = c.native
-                if rec is None:
-                    rec = self._record(c)
-                elif rec[3] is not c.program.cl_args:
-                    c.program.set_args(rec[3])
-                event = self._launch(self.queue, rec[0], rec[1], rec[2])
-            else:
-                event = self._copy(c.dest, c.src, c.nbytes, keep, None)
-        except BaseException as exc:
-            if foreign is not None:  # the other device's step: completed by the skip below
-                foreign[0].give_back_foreign(foreign[1])
-            words[NSTORES] = words[TL_FN] = words[TL2_FN] = 0
-            self.device._slots.give(words, address)
-            self._on_fault(c, exc)
-            self._skip(run[1:], self.error)
-            self.queue.flush()
-            return True
-        keep.append(event)
-        seg = Segment(event, [], keep, c)
-        seg.own = value
-        seg.words, seg.address, seg.foreign = words, address, foreign
-        if not self.backlog:  # all done by the callback: the pump may find it later
-            words[WAKE] = 0
-        self.pending.append(seg)
-        status = self._native.register(event, address)
-        if status != 0:
-            raise RuntimeError(f"clSetEventCallback failed with OpenCL status {status}")
-        self.queue.flush()
-        self.device._tidy(self)
-        return True
-
     def _close(
         self,
         event: Any,
@@ -469,7 +387,9 @@ class ClExecutor(DriverCopies, NativeRuns, Completion):
         seg.gates = gates
         seg.words, seg.address = words, _ = self.device._slots.take()
         if traced is not None:  # the pump sets every signal after recording its producer
-            seg.traced, seg.flows = traced, flows
+            seg.traced, seg.flows, served = traced, flows, self._served
+            if served is not None:  # the run's first segment takes the arrow, all its tag
+                seg.served, self._served = served, (None, served[1])
         elif books:
             seg.books = self._native_stores(seg, books)
             if not seg.books and not self.backlog:  # all done by the callback: the pump

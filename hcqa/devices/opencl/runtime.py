@@ -12,9 +12,11 @@ device, or on two devices of one platform, copy with ``clEnqueueCopyBuffer``).
 shared ``hcqa/_native/signal_store.h``), compiled by hcqa's C compiler and cache and registered
 with ``clSetEventCallback`` through ctypes on the very ``libOpenCL`` that PyOpenCL loaded (its
 ``.libs`` directory; else the system's). It runs on a driver thread with no GIL and never calls
-OpenCL: it makes the stores its slot lists, marks the slot fired, writes the device's eventfd
-and marks the slot done -- its last touch. PyOpenCL's own ``Event.set_callback`` is never used
-(a thread per event, and an abort at interpreter exit with callbacks pending).
+OpenCL: it makes the stores its slot lists (each signal's eventfd written only when a waiter of
+this process needs the value: ``nativestores.py``), marks the slot fired, writes the device's
+eventfd (when the pump must look) and marks the slot done -- its last touch. PyOpenCL's own
+``Event.set_callback`` is never used (a thread per event, and an abort at interpreter exit with
+callbacks pending).
 
 **Slots.** A slot is 20 uint64 words (layout in ``callback.c``) in a :class:`SlotTable`, pages
 of 256 slots that a device never unmaps while it lives. A slot goes back to the free list only
@@ -54,6 +56,7 @@ from hcqa.devices.nativestores import (  # the completion slot: re-exported
     SlotTable,
     Words,
     keep_forever,
+    watch_forks,
 )
 from hcqa.devices.opencl import platforms
 from hcqa.errors import InvalidCommand
@@ -109,6 +112,7 @@ class ClHost(Protocol):
     def _wake_pump(self) -> None: ...
     def _tidy(self, executor: Any) -> None: ...
     def clock_offset_ns(self) -> int: ...
+    def _unsampled(self) -> bool: ...
 
 
 def cl() -> Any:
@@ -163,6 +167,7 @@ class _Native:
         if words[0] != WORDS:
             raise InvalidCommand(f"OpenCL callback slots must be {WORDS} words (got {words[0]})")
         so = ctypes.CDLL(abi.path)
+        watch_forks(so)  # its stores wake only listed waiters until the process forks
         self.callback = ctypes.cast(so.hcqa_cl_complete, ctypes.c_void_p).value or 0
         # Runs of launches in one call (``runs.py``): the driver's entry points, by address.
         fns = [
