@@ -53,6 +53,7 @@ import outcome
 import sniffio
 import trio
 
+from hcqa._signals import aio_readers as _aio_readers
 from hcqa.errors import DeviceClosed, HcqaError, InvalidCommand
 
 __all__ = ["asyncio_caller", "call", "checkpoint", "hosted", "open_asyncio_host", "rehosts"]
@@ -120,6 +121,7 @@ class _Host:
     def _done(self, result: outcome.Outcome[None]) -> None:
         if _hosts.get(self.loop) is self:
             del _hosts[self.loop]
+        _aio_readers.forget(self.loop)  # the eventfds of its devices' signals, kept between waits
         if not self.started.done():
             self.started.set_result(None)
         if not self.finished.done():

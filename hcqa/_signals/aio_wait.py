@@ -11,9 +11,9 @@ directly in the loop's thread, else through ``loop.call_soon_threadsafe``).
 The *owner* of the signal's eventfd, when it is an asyncio task, sleeps on it with
 ``loop.add_reader``: the callback drains the eventfd (waking the parked waiters,
 trio tasks and threads included) and completes the owner's Future once its target
-is reached. The reader is removed before the waiter leaves, and leaving hands
-ownership on exactly as a trio owner does, so a cancelled asyncio waiter never
-loses a wake-up.
+is reached. The reader stays registered between waits (``aio_readers.py``); the owner
+unhooks its callback before it leaves, and leaving hands ownership on exactly as a trio
+owner does, so a cancelled asyncio waiter never loses a wake-up.
 
 Cancellation is asyncio's: ``CancelledError`` at the await. The hang limit of a
 device's fence is a ``loop.call_later`` timer that ends the park, after which the
@@ -31,6 +31,7 @@ import asyncio
 import math
 from typing import TYPE_CHECKING, Protocol
 
+from hcqa._signals import aio_readers as _readers
 from hcqa._signals.rereader import BACKOFF_FIRST, BACKOFF_MAX
 from hcqa._signals.waiters import Waiter
 
@@ -91,8 +92,7 @@ async def _park(sig: ParkingLot, target: int, observe: bool, limit: float | None
     loop = asyncio.get_running_loop()
     waiter = Waiter(target, trio_task=False)
     waiter.loop = loop
-    fd = sig._fd
-    reading = False
+    kept: _readers.Reader | None = None
     expired = False
     timer: asyncio.TimerHandle | None = None  # the memory re-read backoff (owner only)
     hang: asyncio.TimerHandle | None = None
@@ -125,8 +125,8 @@ async def _park(sig: ParkingLot, target: int, observe: bool, limit: float | None
                     nxt = min(2 * delay, BACKOFF_MAX)
                     timer = loop.call_later(nxt, reread, nxt)
 
-                loop.add_reader(fd, readable)
-                reading = True
+                kept = _readers.reader(loop, sig)  # (registered once, see aio_readers.py)
+                kept.current = readable
                 if sig._rereads:  # (else every producer writes the eventfd: no timer)
                     timer = loop.call_later(BACKOFF_FIRST, reread, BACKOFF_FIRST)
                 await fut
@@ -135,8 +135,10 @@ async def _park(sig: ParkingLot, target: int, observe: bool, limit: float | None
     finally:
         if hang is not None:
             hang.cancel()
-        if reading:
-            loop.remove_reader(fd)
+        if kept is not None:
+            kept.current = None
+            if sig._closed:
+                kept.drop()
         if timer is not None:
             timer.cancel()
         sig._unregister(waiter)
