@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from hcqa.serve.http import serve_http
+from hcqa.serve.http import BODY, serve_http
 
 
 class EchoApp:
@@ -334,3 +334,48 @@ async def test_the_access_log_has_one_line_per_request(caplog: pytest.LogCapture
     lines = [r.getMessage() for r in caplog.records if r.name == "test.hcqa.access"]
     assert len(lines) == 1
     assert lines[0].startswith(f'127.0.0.1 "POST /echo?q=1 1.1" 200 {len(body)} ')
+
+
+class BodyApp:
+    """Takes its body through the ``hcqa.body`` extension where it can, else ``receive``."""
+
+    def __init__(self) -> None:
+        self.taken: list[bytes | None] = []
+        self.asked = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = scope["extensions"][BODY]()
+        self.taken.append(body)
+        self.asked.set()
+        if body is None:
+            body = b""
+            while True:
+                msg = await receive()
+                body += msg["body"]
+                if not msg["more_body"]:
+                    break
+        assert scope["extensions"][BODY]() is None  # read already: never twice
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def test_a_body_that_has_all_arrived_is_taken_at_once_by_the_body_extension() -> None:
+    """``hcqa.body`` gives a body that is all queued (plain or chunked), leaving a pipelined
+    request after it intact; a body still arriving is None, and ``receive`` reads it."""
+    app = BodyApp()
+    async with running(app) as (port, _, _):
+        c = await Raw.connect(port)
+        chunked = b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        chunked += b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        await c.stream.send_all(post("/a", b"hello") + chunked + post("/b", b""))
+        for want in (b"hello", b"abcde", b""):
+            assert (await c.response())[2] == want
+        assert app.taken == [b"hello", b"abcde", b""]
+        app.asked = trio.Event()
+        await c.stream.send_all(post("/d", b"0123456789")[:-4])  # six bytes of ten
+        await app.asked.wait()
+        await c.stream.send_all(b"6789")
+        assert (await c.response())[2] == b"0123456789"
+        assert app.taken[3] is None
+        await c.aclose()

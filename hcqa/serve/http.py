@@ -52,13 +52,16 @@ import trio
 from hcqa.serve.http_exchange import _Exchange
 from hcqa.serve.http_head import _GONE, _PHRASES, _BadRequest, _date, _Parser, _Request
 
-__all__ = ["DISCONNECT", "serve_http"]
+__all__ = ["BODY", "DISCONNECT", "serve_http"]
 
 _log = logging.getLogger("hcqa.serve.http")
 _MAX_BUFFER = 1 << 20  # queued bytes: the reader stops here until the request asks for more
 #: ASGI scope extension: ``scope["extensions"][DISCONNECT](callback)`` calls ``callback()``
 #: when the client leaves before its response is complete (see ``_Exchange.on_disconnect``)
 DISCONNECT = "hcqa.disconnect"
+#: ASGI scope extension: ``scope["extensions"][BODY]()`` is the whole request body when all of
+#: it has arrived and none was read yet (it is read then), else None: read it with ``receive``
+BODY = "hcqa.body"
 _READ = 1 << 16
 
 
@@ -244,7 +247,7 @@ class _Connection:
             "client": self.client,
             "server": self.addr,
             "state": {},
-            "extensions": {DISCONNECT: ex.on_disconnect},
+            "extensions": {DISCONNECT: ex.on_disconnect, BODY: ex.queued_body},
         }
         self.exchange = ex
         try:

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import anyio
 import numpy.typing as npt
+import trio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -336,8 +337,8 @@ class V2:
 async def cancel_on_disconnect(request: Request, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     """``await fn(*args)``, cancelled if the client disconnects meanwhile (ClientGone)."""
     notify = request.scope.get("extensions", {}).get(DISCONNECT)
-    if notify is not None:  # hcqa's HTTP server cancels us itself: no watcher task
-        with anyio.CancelScope() as scope:
+    if notify is not None:  # hcqa's HTTP server (trio's) cancels us itself: no watcher task
+        with trio.CancelScope() as scope:
             forget = notify(scope.cancel)
             try:
                 return await fn(*args)
