@@ -14,7 +14,10 @@ and the transfers between them run on the copy engines: the devices overlap.
 ``await pipe(x)`` takes a free slot (a ``trio.Semaphore`` of ``depth`` bounds
 the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
 the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
-The three are ordered by the buffers' hazards, not by awaiting in between.
+The three are ordered by the buffers' hazards, not by awaiting in between. Calls reach
+the devices in the order they were made, so a stage with state (``s = x - s``, a Graph
+stage on shared scratch) sees them in that order: each keeps its place in the slot pool's
+line (:mod:`hcqa._slots`) from the call until its work is queued.
 
 The copy-out runs on the last stage's *compute* queue, right behind its kernel, where
 the device allows it (``Device._copies_on_compute``: cpu devices with host-visible
@@ -24,16 +27,19 @@ would wait for a round of copy-engine and event-loop wake-ups before the last st
 could start the next one (measured: a 1.3-1.5 ms gap per microbatch in the last stage
 of a 2-stage MLP with 13 ms stages, against 0.65 ms this way).
 
-From an asyncio task (see ``hcqa.aio``) a call that finds a free slot runs on that
-task. When it is the only one in flight it runs *step by step*: it enqueues the slot's
-copy-in, transfers, programs and copy-out one at a time, each once the one before is
-reached (awaited on the asyncio loop, unless already reached), so each enqueue finds its
-hazards done and goes straight to an idle engine: no trio task is woken (under asyncio
-that costs a hand-off through trio's guest I/O thread). Where the devices allow it, the
-steps on one device go as one batch, a *leg* (``_pipelegs.py``): one hand-off per device.
-With other calls in flight it replays the graph as under trio, so the queue actors chain
-the stages without a busy asyncio loop between them. A call that must wait for a slot runs
-in the trio host.
+From an asyncio task (see ``hcqa.aio``) a call that finds a free slot and no call in
+line before it runs on that task. When it is the only one in flight it runs *step by
+step*: it enqueues the slot's copy-in, transfers, programs and copy-out one at a time,
+each once the one before is reached (awaited on the asyncio loop, unless already reached),
+so each enqueue finds its hazards done and goes straight to an idle engine: no trio task
+is woken (under asyncio that costs a hand-off through trio's guest I/O thread). Where the
+devices allow it, the steps on one device go as one batch, a *leg* (``_pipelegs.py``): one
+hand-off per device. It keeps its place in line until its last step (or leg) is queued; a
+call that joins the line behind it makes it queue its remaining steps at once (legs keep
+their waits: the host gates the waits between devices). With other calls in flight it
+replays the graph as under trio, so the queue actors chain the stages without a busy
+asyncio loop between them. A call that must wait runs in the trio host, its place in line
+taken before it goes there.
 
 A Graph stage is recorded into each slot's graph (``g.submit(buffers=...)`` in a capture)
 on the slot's own input and output buffers; what else it uses (weights, scratch) the slots
@@ -50,7 +56,6 @@ one ``DeviceFault`` (an ExceptionGroup only for several different errors).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -58,10 +63,10 @@ from typing import Any, cast
 import attrs
 import numpy as np
 import numpy.typing as npt
-import trio
 
 from hcqa import _pipecheck, aio
 from hcqa._pipelegs import Leg, plan_legs, reached
+from hcqa._slots import Lease, SlotPool, Turn
 from hcqa.devices.base import Device
 from hcqa.devices.buffer import Buffer
 from hcqa.devices.opening import transfer
@@ -153,14 +158,12 @@ class Pipeline:
         self.dtype = _dtype(dtype)
         self.depth = depth
         self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
-        self._slots = [self._build_slot(dry_run=check and i == 0) for i in range(depth)]
-        self._free = list(self._slots)
-        self._limit = trio.Semaphore(depth)
+        self._pool: SlotPool[_Slot] = SlotPool(depth)
+        self._pool.fill([self._build_slot(dry_run=check and i == 0) for i in range(depth)])
         self._completed = 0
-        self._cancelled = 0
         last = self.stages[-1]
         self.out_shape = _out_shape(last) or self._shape_after(len(self.stages) - 1)
-        self.out_dtype = self._slots[0].out.dtype
+        self.out_dtype = self._pool.slots[0].out.dtype
 
     # -- building --------------------------------------------------------------------
 
@@ -247,116 +250,88 @@ class Pipeline:
     async def __call__(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         """Run one microbatch through every stage; returns the output array."""
         arr = self._check_input(x)
-        if aio.asyncio_caller():  # from asyncio: run here when nothing needs waiting for
-            if not self._ready_now():
-                return await aio.call(self.__call__, arr)
-            idle = len(self._free) == self.depth
-            self._limit.acquire_nowait()
-            return await self._run(arr, stepwise=idle)
-        await self._limit.acquire()
-        return await self._run(arr)
+        if not aio.asyncio_caller():
+            return await self._call(arr)
+        idle = self._pool.in_flight == 0  # from asyncio: run here when nothing needs waiting for
+        lease = self._pool.take_now(self._has_room)
+        if lease is not None:
+            return await self._run(lease, arr, stepwise=idle)
+        turn = self._pool.join()  # in line now: the call's order is made here, not in the host
+        try:
+            return await aio.call(self._call, arr, turn)
+        finally:
+            turn.leave()
 
-    def _ready_now(self) -> bool:
-        """A unit of depth is free (so no trio task waits for one) and the next slot's
-        queues have room: ``_run`` would not wait before its fence."""
-        if self._limit.value < 1:
-            return False
-        return all(a.room >= k for a, k in self._free[-1].need.items())
+    @staticmethod
+    def _has_room(slot: _Slot) -> bool:
+        """The slot's queues have room: ``_run`` would not wait before its fence."""
+        return all(a.room >= k for a, k in slot.need.items())
 
     def _check_input(self, x: npt.ArrayLike) -> npt.NDArray[Any]:
         return check_input(x, self.in_shape, self.dtype)
 
-    async def _run(self, arr: npt.NDArray[Any], *, stepwise: bool = False) -> npt.NDArray[Any]:
-        """Holds one unit of self._limit; releases it (or hands it to a reclaimer).
+    async def _call(self, arr: npt.NDArray[Any], turn: Turn | None = None) -> npt.NDArray[Any]:
+        """A call in the trio host: its turn in line (joined now if not given), a slot."""
+        lease = await self._pool.take(turn or self._pool.join())
+        return await self._run(lease, arr)
+
+    async def _run(
+        self, lease: Lease[_Slot], arr: npt.NDArray[Any], *, stepwise: bool = False
+    ) -> npt.NDArray[Any]:
+        """One microbatch on ``lease``'s slot; leaves its turn once all of it is queued.
 
         ``stepwise`` (an asyncio caller, see the module doc): enqueue the graph's steps
-        (or legs) one by one, each once the last one is reached, instead of replaying it."""
-        slot = self._free.pop()
-        handed_off = False
-        try:
-            while True:
-                short = [a for a, k in slot.need.items() if a.room < k]
-                if not short:
-                    break
+        (or legs) one by one, each once the last one is reached, instead of replaying it --
+        steps, not legs, go at once when a call waits in line behind it."""
+        with lease:
+            slot = lease.slot
+            while short := [a for a, k in slot.need.items() if a.room < k]:
                 await short[0].wait_for_space()
             result = np.empty(self.out_shape, self.out_dtype)
             legs = slot.legs if stepwise else None
             fence = legs[0].submit(arr, result) if legs else slot.inp.copyin(arr)
-            try:
-                if legs:  # (the first leg copies arr in, the last one copies out)
-                    for leg in legs[1:]:
-                        if not reached(fence):
+            lease.fence = fence
+            if legs:  # (the first leg copies arr in, the last one copies out)
+                for leg in legs[1:]:
+                    if not reached(fence):
+                        await fence
+                    fence = lease.fence = leg.submit(arr, result)
+            else:
+                if stepwise:
+                    for step in slot.steps:
+                        if not (lease.behind() or reached(fence)):
                             await fence
-                        fence = leg.submit(arr, result)
+                        fence = lease.fence = step()
+                    if not (lease.behind() or reached(fence)):
+                        await fence
                 else:
-                    if stepwise:
-                        for step in slot.steps:
-                            if not reached(fence):
-                                await fence
-                            fence = step()
-                        if not reached(fence):
-                            await fence
-                    else:
-                        slot.graph.submit()
-                    fence = slot.out.device._copyout(slot.out, result, on_compute=True)
-                await fence
-            except (trio.Cancelled, asyncio.CancelledError):
-                self._cancelled += 1
-                if not fence.reached:
-                    handed_off = True
-                    trio.lowlevel.spawn_system_task(self._reclaim, slot, fence)
-                raise
-            self._completed += 1
-            return result
-        finally:
-            if not handed_off:
-                self._free.append(slot)
-                self._limit.release()
-
-    async def _reclaim(self, slot: _Slot, fence: Any) -> None:
-        try:
-            with trio.CancelScope(shield=True):
-                await fence
-        except BaseException:
-            pass
-        finally:
-            self._free.append(slot)
-            self._limit.release()
+                    slot.graph.submit()
+                fence = lease.fence = slot.out.device._copyout(slot.out, result, on_compute=True)
+            lease.queued()
+            await fence
+        self._completed += 1
+        return result
 
     async def map(self, xs: Iterable[npt.ArrayLike]) -> list[npt.NDArray[Any]]:
         """``[await self(x) for x in xs]``, but with up to ``depth`` microbatches in flight."""
         if aio.asyncio_caller():
             return await aio.call(self.map, xs)
         arrays = [self._check_input(x) for x in xs]
-        results: list[Any] = [None] * len(arrays)
-        errors: list[BaseException] = []
 
-        async def one(i: int, arr: npt.NDArray[Any], scope: trio.CancelScope) -> None:
-            try:
-                results[i] = await self._run(arr)
-            except Exception as exc:
-                if all(exc is not e for e in errors):
-                    errors.append(exc)
-                scope.cancel()
+        async def run(i: int, turn: Turn) -> npt.NDArray[Any]:
+            return await self._call(arrays[i], turn)
 
-        async with trio.open_nursery() as nursery:
-            for i, arr in enumerate(arrays):
-                await self._limit.acquire()
-                nursery.start_soon(one, i, arr, nursery.cancel_scope, name=f"Pipeline.map item {i}")
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ExceptionGroup("pipeline microbatches failed", errors)  # type: ignore[type-var]
-        return results
+        failed = "pipeline microbatches failed"
+        return await self._pool.map(len(arrays), run, name="Pipeline.map", failed=failed)
 
     def statistics(self) -> PipelineStatistics:
         """A frozen snapshot: stages, depth, microbatches in flight, completed, cancelled."""
         return PipelineStatistics(
             stages=len(self.stages),
             depth=self.depth,
-            in_flight=self.depth - len(self._free),
+            in_flight=self._pool.in_flight,
             completed=self._completed,
-            cancelled=self._cancelled,
+            cancelled=self._pool.cancelled,
         )
 
     def __repr__(self) -> str:

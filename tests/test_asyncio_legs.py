@@ -119,7 +119,7 @@ def test_staged_devices_go_step_by_step() -> None:
     async def main() -> None:
         async with hcqa.open_devices("cpu:0", "cpu:1", host_visible=False) as (d0, d1):
             pipe = hcqa.Pipeline([(d0, inc), (d1, double)], in_shape=(8,))
-            assert all(s.legs is None for s in pipe._slots)
+            assert all(s.legs is None for s in pipe._pool.slots)
             before = batches(d0, d1)
             x = np.arange(8, dtype=np.float32)
             np.testing.assert_array_equal(await pipe(x), (x + 1) * 2)

@@ -8,6 +8,7 @@ maps the planner keeps).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import threading
@@ -23,7 +24,7 @@ from _kinds import specs
 import hcqa
 
 pytest.importorskip("tinygrad")
-from hcqa import models
+from hcqa import aio, models
 from hcqa.models import cut
 from hcqa.models.lifted import Lifted
 
@@ -366,25 +367,31 @@ async def test_a_decoder_keeps_its_kv_cache_on_one_stage_and_generates_the_model
             models.pipeline(m, devices=[d0, d1], cuts=[hi])
 
 
+async def _running(dev: hcqa.Device) -> models.ModelPipeline:
+    """A model with state, ``s = x - s``, pipelined on ``dev`` with depth 2, built."""
+    from tinygrad import Tensor
+
+    where = models.tinygrad_device(dev)
+    s = Tensor.zeros(4, device=where).contiguous().realize()
+    ones = Tensor(np.ones(4, np.float32), device=where).realize()
+
+    def step(x: Any) -> Any:
+        s.assign(x - s).realize()
+        return (s * ones).contiguous()
+
+    m = await models.from_tinygrad(step, [np.zeros(4, np.float32)], device=dev)
+    pipe = models.pipeline(m, [dev], depth=2)
+    await pipe.build()
+    return pipe
+
+
 async def test_callers_woken_together_for_free_slots_still_run_in_call_order() -> None:
     """A model with state (``s = x - s``) pipelined with depth 2: calls 3 and 4 wait for a
     slot; both slots come free in one round of the event loop (here: the two units the test
     held), and trio runs a round's woken tasks in either order. 4 must still reach the device
     after 3 (trial after trial: each trial, half the time 4 is woken first)."""
-    from tinygrad import Tensor
-
     async with hcqa.open_devices("cpu:0") as (dev,):
-        where = models.tinygrad_device(dev)
-        s = Tensor.zeros(4, device=where).contiguous().realize()
-        ones = Tensor(np.ones(4, np.float32), device=where).realize()
-
-        def step(x: Any) -> Any:
-            s.assign(x - s).realize()
-            return (s * ones).contiguous()
-
-        m = await models.from_tinygrad(step, [np.zeros(4, np.float32)], device=dev)
-        pipe = models.pipeline(m, [dev], depth=2)
-        await pipe.build()
+        pipe = await _running(dev)
         state = 0.0
         for _ in range(12):
             got: dict[float, float] = {}
@@ -393,13 +400,41 @@ async def test_callers_woken_together_for_free_slots_still_run_in_call_order() -
                 got[x] = float((await pipe(np.full(4, x, np.float32)))[0])
 
             for _ in range(2):  # as two calls in flight would
-                await pipe._limit.acquire()
+                await pipe._pool._limit.acquire()
             async with trio.open_nursery() as nursery:
                 for x in (5.0, 1.0):
                     nursery.start_soon(call, x)
                     await trio.testing.wait_all_tasks_blocked()
-                pipe._limit.release()  # both slots free in this round
-                pipe._limit.release()
+                pipe._pool._limit.release()  # both slots free in this round
+                pipe._pool._limit.release()
             first = 5.0 - state
             state = 1.0 - first
             assert got == {5.0: first, 1.0: state}
+
+
+def test_asyncio_callers_handed_to_the_host_together_run_in_call_order() -> None:
+    """Two asyncio calls wait for a slot, each as a task of the trio host; trio starts both
+    tasks in one round, in either order. 1 must still reach the device after 5."""
+
+    async def main() -> None:
+        async with hcqa.open_devices("cpu:0") as (dev,):
+            pipe = await _running(dev)
+            units = pipe._pool._limit
+
+            async def free_both() -> None:  # (a trio task of the host)
+                await trio.testing.wait_all_tasks_blocked()  # both calls wait
+                units.release()
+                units.release()
+
+            state = 0.0
+            for _ in range(12):
+                units.acquire_nowait()
+                units.acquire_nowait()
+                calls = [asyncio.ensure_future(pipe(np.full(4, x, np.float32))) for x in (5, 1)]
+                await aio.call(free_both)
+                got = [float(y[0]) for y in await asyncio.gather(*calls)]
+                first = 5.0 - state
+                state = 1.0 - first
+                assert got == [first, state]
+
+    asyncio.run(main())

@@ -19,18 +19,18 @@ engines), its kernels, the outputs it holds copied out. The slot's own graph rec
 stages' graphs in order (``g.submit()`` inside a capture), so a call is one replay. Slots share no
 per-call buffer, so slot ``k + 1``'s first stage runs while slot ``k``'s second does.
 
-``await pipe(x)`` takes a first-come lock (held until its submit: calls reach the devices in
-the order they were made) and a free slot (a ``trio.Semaphore`` of ``depth``: backpressure), writes
-the arrays into its staging arrays, replays its graph (one submit per queue) and awaits it;
-``await pipe.map(xs)`` keeps up to ``depth`` calls in flight and returns the answers in order.
-Cancelling a caller stops its wait at once; its slot returns to the pool only once the work
-already queued on it is done, so the devices stay usable and the next call is correct.
+``await pipe(x)`` takes its place in line and a free slot from the slot pool
+(:mod:`hcqa._slots`, as ``hcqa.Pipeline`` does: ``depth`` slots, backpressure, calls reach the
+devices in the order they were made, from trio or asyncio tasks), writes the arrays into its
+staging arrays, replays its graph (one submit per queue) and awaits it; ``await pipe.map(xs)``
+keeps up to ``depth`` calls in flight and returns the answers in order. Cancelling a caller
+stops its wait at once; its slot returns to the pool only once the work already queued on it
+is done, so the devices stay usable and the next call is correct.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +38,7 @@ import numpy as np
 import trio
 
 from hcqa import aio
+from hcqa._slots import SlotPool, Turn
 from hcqa.devices import Buffer, Device
 from hcqa.devices.opening import transfer
 from hcqa.devices.sizes import check_int
@@ -47,7 +48,6 @@ from hcqa.models import cut
 from hcqa.models.kinds import device_kind
 from hcqa.models.lifted import Arg, Lifted
 from hcqa.models.model import Model, build_programs, launch, program_key
-from hcqa.signals import Fence
 from hcqa.variables import Variable
 
 __all__ = ["ModelPipeline", "ModelPipelineStatistics", "PipelineStage", "pipeline"]
@@ -175,12 +175,9 @@ class ModelPipeline:
             for i, s in enumerate(planned.stages)
         )
         self.final_moves = planned.final
-        self._slots: list[_Slot] = []
-        self._free: list[_Slot] = []
-        self._limit = trio.Semaphore(depth)
-        self._order = trio.Lock()  # held by a call from its start to its submit (FIFO)
+        self._pool: SlotPool[_Slot] = SlotPool(depth)  # filled by build()
         self._building = trio.Lock()
-        self._completed = self._cancelled = 0
+        self._completed = 0
 
     def __repr__(self) -> str:
         cuts = " | ".join(f"{s.device.name}[{s.start}:{s.stop}]" for s in self.stages)
@@ -191,7 +188,7 @@ class ModelPipeline:
         """Per slot, each stage's captured Graph (its device's work: copy-ins, the moves into
         it, its kernels, copy-outs); a call replays one slot's graph, which records them all.
         Empty until built."""
-        return tuple(slot.stages for slot in self._slots)
+        return tuple(slot.stages for slot in self._pool.slots)
 
     @property
     def moves(self) -> tuple[cut.Move, ...]:
@@ -205,7 +202,7 @@ class ModelPipeline:
         if aio.asyncio_caller():
             return await aio.call(self.build)
         async with self._building:
-            if self._slots:
+            if self._pool.slots:
                 return
             for d in self.devices:
                 d._check_usable()
@@ -231,7 +228,7 @@ class ModelPipeline:
             slots = [self._slot(programs, shared) for _ in range(self.depth)]
             for d in self.devices:  # the weights are in place before the first replay
                 await d.synchronize()
-            self._slots, self._free = slots, list(slots)
+            self._pool.fill(slots)
 
     def _slot(self, programs: list[dict[Any, Any]], shared: list[dict[int, Buffer]]) -> _Slot:
         lifted = self._lifted
@@ -299,81 +296,45 @@ class ModelPipeline:
     async def __call__(self, *arrays: Any, **variables: int) -> Any:
         """Run one call through every stage: one array out, or a tuple for several outputs.
         A model's variables are keywords, as for the model (``start_pos=3``)."""
-        if aio.asyncio_caller():
-            return await aio.call(self.__call__, *arrays, **variables)
         rows = self._check(arrays, variables)
-        if not self._slots:
-            await self.build()
-        return await self._run(arrays, rows, variables)
+        turn = self._pool.join()  # its place in line: the call's order is made here
+        try:
+            if aio.asyncio_caller():
+                return await aio.call(self._run, arrays, rows, variables, turn)
+            return await self._run(arrays, rows, variables, turn)
+        finally:
+            turn.leave()
 
     async def _run(
-        self,
-        arrays: Sequence[np.ndarray],
-        rows: int,
-        variables: dict[str, Any],
-        queued: Callable[[], None] | None = None,
+        self, arrays: Sequence[np.ndarray], rows: int, variables: dict[str, Any], turn: Turn
     ) -> Any:
-        """One call: takes the FIFO ``_order`` lock, then a unit of ``_limit``, which it
-        releases (or hands to a reclaimer); ``queued()`` once it is submitted.
-
-        The lock is held until the submit: calls reach the devices in the order they were
-        made (a model with state sees them so), though trio runs the tasks it wakes in one
-        round -- two waiters for free slots -- in either order."""
-        await self._order.acquire()
-        try:
-            await self._limit.acquire()
-        except BaseException:
-            self._order.release()
-            raise
-        slot = self._free.pop()
-        handed_off = False
-        try:
-            try:
-                while short := [a for a, k in slot.need.items() if a.room < k]:
-                    await short[0].wait_for_space()
-                for host, a in zip(slot.host_in, arrays, strict=True):
-                    if self._batched:
-                        shaped = host.reshape(self._rows, *a.shape[1:])
-                        shaped[:rows] = a
-                        shaped[rows:] = 0
-                    else:
-                        host[...] = a.reshape(-1)
-                vals = {n: int(v) for n, v in variables.items()}
-                fence: Fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
-            finally:
-                self._order.release()
-            if queued is not None:
-                queued()
-            try:
-                await fence
-            except (trio.Cancelled, asyncio.CancelledError):
-                self._cancelled += 1
-                if not fence.reached:
-                    handed_off = True
-                    trio.lowlevel.spawn_system_task(self._reclaim, slot, fence)
-                raise
+        """One call, in the trio host: a slot once ``turn`` heads the line; leaves the line
+        once its replay is queued."""
+        if not self._pool.slots:
+            await self.build()
+        with await self._pool.take(turn) as lease:
+            slot = lease.slot
+            while short := [a for a, k in slot.need.items() if a.room < k]:
+                await short[0].wait_for_space()
+            for host, a in zip(slot.host_in, arrays, strict=True):
+                if self._batched:
+                    shaped = host.reshape(self._rows, *a.shape[1:])
+                    shaped[:rows] = a
+                    shaped[rows:] = 0
+                else:
+                    host[...] = a.reshape(-1)
+            vals = {n: int(v) for n, v in variables.items()}
+            fence = lease.fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
+            lease.queued()
+            await fence
             outs = []
             for spec, host in zip(self.outputs, slot.host_out, strict=True):
                 if self._batched:
                     outs.append(host.reshape(self._rows, *spec.shape[1:])[:rows].copy())
                 else:
                     outs.append(host.reshape(tuple(d or 0 for d in spec.shape)).copy())
-            self._completed += 1
-            return outs[0] if len(outs) == 1 else tuple(outs)
-        finally:
-            if not handed_off:
-                self._free.append(slot)
-                self._limit.release()
-
-    async def _reclaim(self, slot: _Slot, fence: Fence) -> None:
-        try:
-            with trio.CancelScope(shield=True):
-                await fence
-        except BaseException:
-            pass
-        finally:
-            self._free.append(slot)
-            self._limit.release()
+        self._completed += 1
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     async def map(self, xs: Iterable[Any], **variables: int) -> list[Any]:
         """``[await self(x, **variables) for x in xs]`` with up to ``depth`` calls in flight;
@@ -382,43 +343,19 @@ class ModelPipeline:
             return await aio.call(self.map, xs, **variables)
         calls = [tuple(x) if isinstance(x, tuple) else (x,) for x in xs]
         rows = [self._check(c, variables) for c in calls]
-        if not self._slots:
-            await self.build()
-        results: list[Any] = [None] * len(calls)
-        errors: list[BaseException] = []
 
-        async def one(i: int, scope: trio.CancelScope, task_status: trio.TaskStatus[None]) -> None:
-            started = False
+        async def run(i: int, turn: Turn) -> Any:
+            return await self._run(calls[i], rows[i], variables, turn)
 
-            def queued() -> None:
-                nonlocal started
-                started = True
-                task_status.started()
-
-            try:
-                results[i] = await self._run(calls[i], rows[i], variables, queued)
-            except Exception as exc:
-                if all(exc is not e for e in errors):
-                    errors.append(exc)
-                scope.cancel()
-                if not started:
-                    task_status.started()
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(calls)):  # each queued before the next starts: in order
-                await nursery.start(one, i, nursery.cancel_scope, name=f"pipeline.map item {i}")
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            raise ExceptionGroup("pipelined calls failed", errors)  # type: ignore[type-var]
-        return results
+        failed = "pipelined calls failed"
+        return await self._pool.map(len(calls), run, name="pipeline.map", failed=failed)
 
     def statistics(self) -> ModelPipelineStatistics:
         """A frozen snapshot: stages, depth, calls in flight, completed, cancelled."""
         return ModelPipelineStatistics(
             stages=self.stages,
             depth=self.depth,
-            in_flight=self.depth - len(self._free) if self._slots else 0,
+            in_flight=self._pool.in_flight,
             completed=self._completed,
-            cancelled=self._cancelled,
+            cancelled=self._pool.cancelled,
         )
