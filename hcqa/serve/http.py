@@ -194,18 +194,20 @@ class _Connection:
     async def _head(self) -> _Request | None:
         """The next request's head, or None when the client left first."""
         events = self.parser.events
-        with trio.move_on_after(self.srv.head_timeout):
-            while not events:
-                if self.eof:
-                    return None
-                await self._fill()
-            event = events.popleft()
-            if isinstance(event, _BadRequest):
-                raise event
-            assert isinstance(event, _Request), event  # bodies are taken by their exchange
-            self.parser.backlog -= event.size
-            return event
-        raise _BadRequest(408, "request head not received in time")
+        if not events:  # (a head already parsed needs no timeout: no cancel scope a request)
+            with trio.move_on_after(self.srv.head_timeout):
+                while not events:
+                    if self.eof:
+                        return None
+                    await self._fill()
+            if not events:
+                raise _BadRequest(408, "request head not received in time")
+        event = events.popleft()
+        if isinstance(event, _BadRequest):
+            raise event
+        assert isinstance(event, _Request), event  # bodies are taken by their exchange
+        self.parser.backlog -= event.size
+        return event
 
     async def _request(self, late: bool) -> bool:
         t0 = time.perf_counter()

@@ -204,8 +204,8 @@ class Tracer(trio.abc.Instrument):
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         t0, t1 = self._step_t0, _now()
         self._step_t0 = 0
-        if t0 and self._room(1):
-            tid, label = self._task(task)
+        if t0 and self._room(1):  # (every step of a busy server: kept to one lookup)
+            tid, label = self._tasks.get(task) or self._task(task)
             self._events.append(("X", TRIO_PID, tid, t0, t1 - t0, label, "trio", None))
         if self._exiting is task:
             self._exiting = None
