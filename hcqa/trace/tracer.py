@@ -289,7 +289,7 @@ class Tracer(trio.abc.Instrument):
             track.base, track.table = table, {k: partial(track.record, h) for k, h in table.items()}
         return track.table
 
-    def driver_run(self, engine: Any, run: list[Any]) -> tuple[Any, Any]:
+    def _driver_run(self, engine: Any, run: list[Any]) -> tuple[Any, Any]:
         """A driver's executor (OpenCL, CUDA) enqueues ``run`` now and draws its ranges
         later, at completion, on another thread: what :meth:`engine_run` noted for it is taken
         off the track and handed back to travel with the run's segments -- the flows into its
@@ -300,11 +300,11 @@ class Tracer(trio.abc.Instrument):
         track.pending = track.fed = track.tag = None
         return flows, (fed, tag) if fed is not None or tag is not None else None
 
-    def driver_ranges(
+    def _driver_ranges(
         self, engine: Any, flows: Any, served: Any, ranges: Iterable[tuple[Any, int, int]]
     ) -> _Track:
         """A driver's segment completed: its ``ranges`` (command, start, end on the host
-        clock), the ``flows`` into the first, ``served`` (from :meth:`driver_run`) drawn."""
+        clock), the ``flows`` into the first, ``served`` (from :meth:`_driver_run`) drawn."""
         track = self._engines.get(engine) or self._track(engine)
         if flows:
             track.pending = flows

@@ -187,7 +187,7 @@ class CuExecutor(HostCopies, NativeStores):
         flows: Any = None
         if hook is not None:
             traced = []
-            flows, self._served = hook.driver_run(self, run)  # the flows into it, who sent it
+            flows, self._served = hook._driver_run(self, run)  # the flows into it, who sent it
         books: list[tuple[Any, ...]] = []
         keep: list[Any] = []
         seg_events: list[Any] = []
@@ -356,7 +356,7 @@ class CuExecutor(HostCopies, NativeStores):
         offset = self.device.clock_offset_ns()
         ns = self.device._device_ns
         ranges = [(c, ns(start) + offset, ns(end) + offset) for c, start, end in seg.traced or ()]
-        track = hook.driver_ranges(self, seg.flows, seg.served, ranges)
+        track = hook._driver_ranges(self, seg.flows, seg.served, ranges)
         for book in seg.books:
             if book[0] == "signal" and track.last is not None:
                 hook._produced_by(book[1], book[2], track.last)

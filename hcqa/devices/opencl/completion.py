@@ -102,7 +102,7 @@ class Completion(NativeStores):
             flows = [*(flows or ()), *waits.sources(hook, seg.gates)]
         traced = seg.traced or ()
         ranges = [(c, ev.profile.start + offset, ev.profile.end + offset) for c, ev in traced]
-        track = hook.driver_ranges(self, flows, seg.served, ranges)
+        track = hook._driver_ranges(self, flows, seg.served, ranges)
         for book in seg.books:
             if book[0] == "signal" and track.last is not None:
                 hook._produced_by(book[1], book[2], track.last)

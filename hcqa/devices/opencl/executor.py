@@ -215,7 +215,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
         if hook is not None:  # (every kernel a range of its own: a native run's one by one)
             run = [x for c in run for x in (c.execs if type(c) is _RUN else (c,))]
             traced = []
-            flows, self._served = hook.driver_run(self, run)  # the flows into it, who sent it
+            flows, self._served = hook._driver_run(self, run)  # the flows into it, who sent it
         books: list[tuple[Any, ...]] = []
         starts: list[Any] = []  # Timestamps that take the next command's START
         keep: list[Any] = []
