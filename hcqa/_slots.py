@@ -133,12 +133,17 @@ class SlotPool(Generic[S]):
         return turn
 
     async def take(self, turn: Turn) -> Lease[S]:
-        """Wait for ``turn`` to head the line, then for a free slot."""
+        """Wait for ``turn`` to head the line, then for a free slot (when it heads the line
+        and a slot is free: at once, in this step -- a batch filled by a request is queued
+        without a round of the event loop)."""
         try:
             if self._line[0] is not turn:
                 turn._woken = trio.Event()
                 await turn._woken.wait()
-            await self._limit.acquire()
+            try:
+                self._limit.acquire_nowait()
+            except trio.WouldBlock:
+                await self._limit.acquire()
         except BaseException:
             turn.leave()
             raise

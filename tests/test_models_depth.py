@@ -212,3 +212,28 @@ async def test_callers_woken_together_for_free_slots_still_submit_in_call_order(
             assert session.order == [1.0, 2.0, 3.0, 4.0]
             for first in (3.0, 4.0):
                 np.testing.assert_array_equal(got[first], 2 * _rows(first))
+
+
+def test_asyncio_callers_reach_the_device_in_call_order() -> None:
+    """Calls made by asyncio tasks are handed to the trio host, where trio starts the tasks
+    of one round in either order; their place in line is taken when the call is made, so
+    the device still runs them in call order (trial after trial)."""
+    import asyncio
+
+    from hcqa import aio
+
+    async def main() -> None:
+        async with hcqa.open_device("cpu:0") as dev:
+            for _ in range(12):
+                session = Recording()
+                model = await aio.call(_model, dev, session, 2)  # (a builder of the trio host)
+                session.armed = True
+                session.release.set()  # (nothing holds)
+                firsts = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+                calls = [asyncio.ensure_future(model(_rows(f))) for f in firsts]
+                got = await asyncio.gather(*calls)
+                assert session.order == firsts
+                for f, y in zip(firsts, got, strict=True):
+                    np.testing.assert_array_equal(y, 2 * _rows(f))
+
+    asyncio.run(main())

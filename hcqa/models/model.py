@@ -26,12 +26,13 @@ to ``depth`` calls are in flight at once: call ``k + 1`` is copied in and queued
 for the event loop between two calls. The device buffers being shared, the replays still run
 one after another in the order they were submitted (the graphs' boundaries carry the same
 buffer hazards as eager work), so a model with state sees the calls in that order, as with
-one slot. A slot is taken under a ``trio.Semaphore`` of ``depth`` (a further caller waits);
-it returns to the pool when its call is answered, and a cancelled caller's slot first waits
-for the replay it left queued (the next user of the slot awaits it) before its staging
-arrays are touched again. Calls submit in the order they were made: each holds a FIFO
-``trio.Lock`` from its start to its submit, so neither a waiter woken for a free slot nor one
-waiting for its slot's old replay is overtaken by a later call.
+one slot. Slots are handed out by a
+:class:`hcqa._slots.SlotPool`, as pipelines' are: a call takes its place in the bucket's line
+when it is made (in the caller's own task, trio or asyncio) and keeps it until it has
+submitted, so calls reach the device in the order they were made -- neither two waiters woken
+for free slots in one round nor two asyncio calls handed to the trio host together (trio runs
+a round's tasks in either order) are swapped. A slot returns to the pool when its call is
+answered; a cancelled caller's slot only once the replay it left queued has run.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ from typing import Any
 
 import attrs
 import numpy as np
-import trio
 
 from hcqa import aio
+from hcqa._slots import SlotPool, Turn
 from hcqa.devices import Buffer, Device, Program
 from hcqa.errors import InvalidCommand
 from hcqa.graph import Graph, capture
@@ -84,7 +85,6 @@ class Slot:
     host_in: tuple[np.ndarray, ...]
     host_out: tuple[np.ndarray, ...]
     failure: str | None = None  # set by a kernel that refuses its input (onnxruntime's)
-    pending: Fence | None = None  # the replay a cancelled call left running
 
 
 @attrs.define(eq=False)
@@ -99,27 +99,16 @@ class Bucket:
     scratch_bytes: int
     buffers: list[Buffer]
     lifted: Lifted | None = None  # what it was built from (None: an opaque kernel)
-    free: list[Slot] = attrs.field(init=False)
-    limit: trio.Semaphore = attrs.field(init=False)
-    order: trio.Lock = attrs.field(init=False)  # held from the call to its submit
+    pool: SlotPool[Slot] = attrs.field(init=False)  # its slots, taken in call order
 
     def __attrs_post_init__(self) -> None:
-        self.free = list(reversed(self.slots))  # slot 0 is taken first
-        self.limit = trio.Semaphore(len(self.slots))
-        self.order = trio.Lock()
+        self.pool = SlotPool(len(self.slots))
+        self.pool.fill(list(reversed(self.slots)))  # slot 0 is taken first
 
     @property
     def graph(self) -> Graph:
         """The first slot's Graph (every slot's records the same work)."""
         return self.slots[0].graph
-
-
-async def _take(lock: trio.Lock | trio.Semaphore) -> None:
-    """``lock.acquire()``, in this step where it is free (no round of the event loop)."""
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
 
 
 def copy_in(buf: Buffer, host: np.ndarray) -> Fence:
@@ -357,37 +346,33 @@ class Model:
 
     async def __call__(self, *arrays: Any, **variables: int) -> Any:
         """Run the model on ``arrays``: one array out, or a tuple when it has several outputs."""
-        if aio.asyncio_caller():
-            return await aio.call(self.__call__, *arrays, **variables)
         rows, bucket = self._check(arrays, variables)
+        turn = bucket.pool.join()  # its place in line: the call's order is made here
+        try:
+            if aio.asyncio_caller():
+                return await aio.call(self._run, arrays, rows, bucket, variables, turn)
+            return await self._run(arrays, rows, bucket, variables, turn)
+        finally:
+            turn.leave()
+
+    async def _run(
+        self, arrays: Any, rows: int, bucket: Bucket, variables: dict[str, int], turn: Turn
+    ) -> Any:
+        """One call, in the trio host: a slot once ``turn`` heads the line (at once, in this
+        step, when it does and one is free); leaves the line once its replay is queued."""
         vals = {n: int(v) for n, v in variables.items()}
-        # Calls submit in the order they were made: each takes the FIFO ``order`` lock first
-        # and holds it until it has submitted -- through the wait for a free slot (a woken
-        # waiter may run after one woken later in the same round) and for its slot's old replay
-        await _take(bucket.order)  # at once if free: queued in this step, no round of the loop
-        try:
-            await _take(bucket.limit)  # a free slot: at most len(bucket.slots) calls in flight
-        except BaseException:
-            bucket.order.release()
-            raise
-        slot = bucket.free.pop()
-        try:
-            try:
-                if slot.pending is not None:  # a replay a cancelled call left running
-                    await slot.pending
-                    slot.pending = None
-                for host, a in zip(slot.host_in, arrays, strict=True):
-                    if self._batched:
-                        host[:rows] = a
-                        host[rows:] = 0
-                    else:
-                        host[...] = a
-                slot.failure = None
-                slot.pending = slot.graph.submit(**vals)  # type: ignore[arg-type]
-            finally:
-                bucket.order.release()
-            await slot.pending
-            slot.pending = None
+        with await bucket.pool.take(turn) as lease:
+            slot = lease.slot
+            for host, a in zip(slot.host_in, arrays, strict=True):
+                if self._batched:
+                    host[:rows] = a
+                    host[rows:] = 0
+                else:
+                    host[...] = a
+            slot.failure = None
+            fence = lease.fence = slot.graph.submit(**vals)  # type: ignore[arg-type]
+            lease.queued()
+            await fence
             if slot.failure is not None:  # a Python kernel refused this input
                 why, slot.failure = slot.failure, None
                 raise InvalidCommand(f"model {self.name!r} could not run this input: {why}")
@@ -395,9 +380,6 @@ class Model:
             self._calls += 1
             if self._batched:
                 self._padded += slot.host_in[0].shape[0] - rows
-        finally:
-            bucket.free.append(slot)
-            bucket.limit.release()
         return outs[0] if len(outs) == 1 else outs
 
     def statistics(self) -> ModelStatistics:
