@@ -160,6 +160,12 @@ class Pipeline:
         self._programs = [self._program(s, i) for i, s in enumerate(self.stages)]
         self._pool: SlotPool[_Slot] = SlotPool(depth)
         self._pool.fill([self._build_slot(dry_run=check and i == 0) for i in range(depth)])
+        for actor, k in self._pool.slots[0].need.items():  # a call waits for room for all k
+            if k > actor.capacity:
+                raise InvalidCommand(
+                    f"a Pipeline call queues {k} batches on the {actor.name} queue at once, "
+                    f"so the device's 'queue_depth' must be >= {k} (got {actor.capacity})"
+                )
         self._completed = 0
         last = self.stages[-1]
         self.out_shape = _out_shape(last) or self._shape_after(len(self.stages) - 1)

@@ -441,7 +441,9 @@ async def test_cancelled_work_still_counts_against_depth() -> None:
 
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
         pipe = Pipeline(
-            [(d0, counting_dbl), (d1, gated_stage(gate, entered))], in_shape=(4,), depth=1,
+            [(d0, counting_dbl), (d1, gated_stage(gate, entered))],
+            in_shape=(4,),
+            depth=1,
             check=False,
         )
         try:
@@ -611,8 +613,11 @@ async def test_stage_that_returns_its_result_is_refused_when_built() -> None:
         return a * 2
 
     async with hcqa.open_devices("cpu:0") as (d0,):
-        with pytest.raises(InvalidCommand, match=r"stage 0: .*must write its result into its "
-                           r"output buffer \(got an array \(float32 \(4,\)\) returned"):
+        with pytest.raises(
+            InvalidCommand,
+            match=r"stage 0: .*must write its result into its "
+            r"output buffer \(got an array \(float32 \(4,\)\) returned",
+        ):
             Pipeline([(d0, returns)], in_shape=(4,))
         with pytest.raises(InvalidCommand, match=r"got a number"):
             Pipeline([Stage(device=d0, program=lambda out, a: a.sum(), out_shape=1)], in_shape=4)
@@ -629,13 +634,17 @@ async def test_missing_or_wrong_out_shape_is_refused_when_built() -> None:
         out[...] = np.concatenate([a, a], axis=1)
 
     async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):
-        with pytest.raises(InvalidCommand, match=r"stage 1 \('stage1'\) failed a dry run .*"
-                           r"input float32\[2, 3\], out float32\[2, 3\].*could not broadcast"):
+        with pytest.raises(
+            InvalidCommand,
+            match=r"stage 1 \('stage1'\) failed a dry run .*"
+            r"input float32\[2, 3\], out float32\[2, 3\].*could not broadcast",
+        ):
             Pipeline([(d0, dbl), (d1, widen)], in_shape=(2, 3))
         with pytest.raises(InvalidCommand, match=r"out float32\[2, 5\].*out_shape"):
             Pipeline([Stage(device=d0, program=widen, out_shape=(2, 5))], in_shape=(2, 3))
-        pipe = Pipeline([(d0, dbl), Stage(device=d1, program=widen, out_shape=(2, 6))],
-                        in_shape=(2, 3))
+        pipe = Pipeline(
+            [(d0, dbl), Stage(device=d1, program=widen, out_shape=(2, 6))], in_shape=(2, 3)
+        )
         got = await pipe(np.ones((2, 3), np.float32))
         np.testing.assert_array_equal(got, np.full((2, 6), 2.0))
         with pytest.raises(InvalidCommand, match="'check' must be a bool"):
@@ -670,3 +679,23 @@ async def test_kernel_that_returns_its_result_faults_with_the_fix() -> None:
         a, out = d0.alloc(shape=4, dtype="float32"), d0.alloc(shape=4, dtype="float32")
         with pytest.raises(DeviceFault, match="must write its result into its output buffer"):
             await prog(out, a)
+
+
+async def test_a_queue_too_shallow_for_one_call_is_refused_when_built() -> None:
+    """A call queues its copy-in, kernel and copy-out on the last device's compute queue at
+    once and waits for room for all of them: on a queue that takes fewer it would wait for
+    ever. Refused when the Pipeline is built, naming the queue and the depth it needs."""
+
+    def twice(out: np.ndarray, x: np.ndarray) -> None:
+        np.multiply(x, 2, out=out)
+
+    async with hcqa.open_device("cpu:0", queue_depth=1) as d:
+        with pytest.raises(
+            hcqa.InvalidCommand,
+            match=r"cpu:0 compute queue .* 'queue_depth' must be >= 2 \(got 1\)",
+        ):
+            hcqa.Pipeline([hcqa.Stage(device=d, program=twice)], in_shape=(4,))
+    async with hcqa.open_device("cpu:0", queue_depth=2) as d:
+        pipe = hcqa.Pipeline([hcqa.Stage(device=d, program=twice)], in_shape=(4,))
+        with trio.fail_after(10):
+            np.testing.assert_array_equal(await pipe(np.ones(4, np.float32)), np.full(4, 2.0))
