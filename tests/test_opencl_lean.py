@@ -142,3 +142,58 @@ async def test_a_command_complete_at_its_enqueue_is_done_without_a_segment(
         assert 1 <= len(made) <= 2  # the completions that took a sample (every 256th)
         await a.copyout(host)
         np.testing.assert_array_equal(host, [170] * 4)
+
+
+async def test_a_stopping_queue_whose_backlog_completes_at_its_enqueue_closes() -> None:
+    """The close of a queue whose last runs waited in the backlog (the driver's window was
+    full) and then all completed inside their enqueue (the lean path lists no segment for
+    them): its executor still says it exited, and the close returns at once. It waited out
+    the hang limit and called the device hung (1-2 % of closes of a 50-launch queue here).
+    Made deterministic by holding the window's callbacks until the close began, and waiting
+    for each backlog launch inside the driver call."""
+    from hcqa.devices.opencl import executor as executor_mod
+
+    window = executor_mod.WINDOW
+    held: list[tuple[Any, int]] = []
+    with trio.fail_after(4):  # the hang limit (5 s) must not be what ends the close
+        async with trio.open_nursery() as nursery:
+            async with hcqa.open_device("opencl:0", hang_limit=5.0) as g:
+                a = g.alloc(shape=(4,), dtype="int32")
+                k = g.program("inc", INC)
+                await a.copyin(np.zeros(4, np.int32))
+                for _ in range(20):  # past the first clock samples (every completion takes one)
+                    await k(a, global_size=(4, 1, 1))
+                ex: Any = g.compute.engine
+                native, launch = ex._native, ex._launch
+
+                class Holding:  # the window's callbacks are registered once the close began
+                    tl_complete = native.tl_complete
+
+                    def register(self, event: Any, address: int) -> int:
+                        if len(held) < window:
+                            held.append((event, address))
+                            return 0
+                        return int(native.register(event, address))
+
+                def launch_and_wait(*args: Any) -> Any:
+                    event = launch(*args)
+                    if len(held) >= window:  # a backlog run: complete inside its enqueue
+                        event.wait()
+                    return event
+
+                ex._native, ex._launch = Holding(), launch_and_wait
+                fences = [k(a, global_size=(4, 1, 1)) for _ in range(window + 2)]
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(ex.pending) == window and len(ex.backlog) == 2
+                assert not any(f.reached for f in fences)
+
+                async def release_once_closing() -> None:
+                    await trio.testing.wait_all_tasks_blocked()  # the close waits for the queue
+                    assert ex.stopping and len(ex.backlog) == 2
+                    for event, address in held:
+                        assert native.register(event, address) == 0
+
+                nursery.start_soon(release_once_closing)
+    assert not g._hung and ex.exited.value == 1
+    assert not ex.pending and not ex.backlog
+    assert all(f.reached for f in fences)

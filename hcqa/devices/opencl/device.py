@@ -268,8 +268,7 @@ class OpenCLDevice(Device):
                     self._slots.give(seg.words, seg.address)
                 else:
                     self._lingering.append(seg)
-            if ex.finished and not ex.exited.value:
-                ex.exited._set_from_engine(1)
+            ex.note_exit()
         return progress
 
     def _unsampled(self) -> bool:

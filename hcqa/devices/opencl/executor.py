@@ -137,9 +137,7 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
                 self._stopping = True
                 for seg in self.pending:  # every completion from now on wakes the pump
                     seg.words[runtime.WAKE] = 1
-                idle = not self.pending and not self.backlog
-            if idle and not self.exited.value:  # nothing to wait for (the pump may be gone)
-                self.exited._set_from_engine(1)
+            self.note_exit()  # nothing to wait for (the pump may be gone)
             self.device._wake_pump()  # (a syscall: the stores above are seen before it)
             return
         with self._lock:
@@ -173,9 +171,17 @@ class ClExecutor(DriverCopies, NativeRuns, Completion, LeanEnqueue):
             if self.error is not None:
                 while backlog:
                     self._skip(backlog.popleft(), self.error)
-                return
             while backlog and len(self.pending) < WINDOW:
                 self._put_now(backlog.popleft())
+        # A stopping queue's last backlog runs may all have completed inside their enqueue
+        # (the lean path lists no segment for them): no drain will see it finish, so say so here
+        self.note_exit()
+
+    def note_exit(self) -> None:
+        """Set :attr:`exited` once the queue is stopping with nothing pending or backlogged
+        (the loop's thread: a drain, a refill, the stop)."""
+        if self._stopping and not self.pending and not self.backlog and not self.exited.value:
+            self.exited._set_from_engine(1)
 
     def run_inline(self, run: list[Any]) -> None:
         self.put(run)  # the device runs nothing inline: enqueueing is already immediate
