@@ -53,10 +53,13 @@ async def _parked_then_closed(
                 gate.value = 1
 
             try:
-                async with hcqa.open_device("cpu:0", hang_limit=30, queue_depth=1) as d:
+                # depth 2: a pipeline call needs room for two batches at once (a shallower
+                # queue is refused when the Pipeline is built)
+                async with hcqa.open_device("cpu:0", hang_limit=30, queue_depth=2) as d:
                     submit = _fill(d, gate)
                     await trio.testing.wait_all_tasks_blocked()  # the actor waits on gate
-                    submit()  # the one batch the channel holds
+                    submit()  # the two batches the channel holds
+                    submit()
                     with pytest.raises(QueueFull):
                         submit()
                     waiter = make_waiter(d)
