@@ -83,17 +83,35 @@ def test_an_idle_reader_leaves_another_owners_wake_up_alone() -> None:
         while sig.statistics().owner != "thread":
             await asyncio.sleep(0.001)
         sig.value = 2  # the write wakes the thread (and the loop: the reader drops itself)
-        while kept(sig) is not None:
-            await asyncio.sleep(0.001)
         await asyncio.to_thread(thread.join, TIMEOUT)
-        assert woke.is_set()
-        assert reader.fd == -1
-        try:
-            os.fstat(fd)
-        except OSError:
-            pass  # closed (or, at most, reused by someone else's descriptor since)
-        await park_until(sig, 3)  # and the next asyncio wait registers again
-        assert kept(sig) is not None
+        assert woke.is_set()  # the idle reader left the counter to the thread
+        # The loop's reader fires only if the loop polled before the thread read the counter
+        # (level-triggered: once read, the eventfd is not readable); then it dropped itself.
+        # Otherwise it is still registered, idle, and serves the next wait as before.
+        await asyncio.sleep(0)  # (one round of the loop: a pending fire runs)
+        if kept(sig) is None:
+            assert reader.fd == -1
+            try:
+                os.fstat(fd)
+            except OSError:
+                pass  # closed (or, at most, reused by someone else's descriptor since)
+        else:
+            assert kept(sig) is reader and reader.current is None and reader.fd == fd
+        await park_until(sig, 3)  # and the next asyncio wait is served
+        reader = kept(sig)
+        assert reader is not None and reader.current is None
+        # Deterministically now: another owner's wake-up that nobody has read yet (written
+        # straight to the eventfd) makes the idle reader drop itself and leave the count.
+        fd = reader.fd
+        os.eventfd_write(sig._fd, 1)
+        for _ in range(10):  # loop rounds, not time: the reader fires on the next poll
+            if kept(sig) is None:
+                break
+            await asyncio.sleep(0)
+        assert kept(sig) is None and reader.fd == -1
+        assert os.eventfd_read(sig._fd) == 1  # the other owner's wake-up is still there
+        await park_until(sig, 4)  # and the next asyncio wait registers again
+        assert kept(sig) is not None and kept(sig) is not reader
         sig.close()
 
     run(main)
