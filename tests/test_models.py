@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
+import os
 from typing import Any
 
 import numpy as np
@@ -275,6 +277,48 @@ def test_the_zig_wrapper_compiles_tinygrads_c(
     from tinygrad.runtime.support.elf import jit_loader
 
     assert len(jit_loader(r.stdout)) > 0  # tinygrad's own loader takes it (no debug relocations)
+
+
+def test_tinygrad_compiles_with_the_zig_wrapper_whatever_touched_it_first(tmp_path: Any) -> None:
+    """On a machine whose only clang is the ziglang wheel, tinygrad read ``$CC`` before hcqa
+    did (a user's own tinygrad code ran first: its cached default is a ``clang`` that is not
+    there); hcqa's tinygrad device still compiles (with the wrapper), and so does an ONNX
+    runner opened on it (its constants open tinygrad's CPU device, which compiles helpers).
+    Run in a child whose PATH holds no clang, as on such a machine."""
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("ziglang") is None:
+        pytest.skip("the ziglang wheel is not installed")
+    script = (
+        "import numpy as np\n"
+        "from tinygrad import helpers\n"
+        "assert helpers.getenv('CC', 'clang') == 'clang'  # read before hcqa, and cached\n"
+        "import hcqa\n"
+        "from hcqa import models\n"
+        "from tinygrad import Tensor\n"
+        "async def main():\n"
+        "    async with hcqa.open_devices('cpu:0') as (dev,):\n"
+        "        where = models.tinygrad_device(dev)\n"
+        "        x = Tensor(np.arange(8, dtype=np.float32), device=where)\n"
+        "        print(((x * 2 + 1).sum()).numpy())\n"
+        "import trio\n"
+        "trio.run(main)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "PATH", "PYTHONPATH")}
+    env["PATH"] = str(tmp_path)  # nothing there: no clang, no gcc
+    env["HCQA_CACHE_DIR"] = str(tmp_path / "cache")
+    env["CACHEDB"] = str(tmp_path / "tinygrad.db")  # compiles, not tinygrad's cached binaries
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.split()[-1]) == 64.0  # sum(2 * i + 1 for i < 8)
 
 
 async def test_a_cancelled_call_leaves_the_model_answering() -> None:

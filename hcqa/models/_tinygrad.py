@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import math
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -88,8 +89,25 @@ def prepare(kind: str) -> str:
     if kind == "opencl":
         _toolchain.ensure_opencl()
         return "CL"
-    _toolchain.find_cc()  # refused here, by name, when there is no clang at all
+    _settle_cc()
     return "CPU"
+
+
+def _settle_cc() -> None:
+    """Make tinygrad compile with hcqa's C compiler from now on, whatever touches its CPU
+    device first (an ONNX runner's constants, a user's weights put there through
+    ``models.tinygrad_device``: the device compiles helper programs when it opens).
+
+    tinygrad reads ``$CC`` once (its ``getenv`` is cached) and keeps it: read it here, with
+    ``$CC`` set to :func:`_toolchain.find_cc` (refused by name when there is no compiler at
+    all). Where tinygrad already cached a compiler that is not on this machine (it was read
+    before hcqa, and the machine's only clang is the zig wrapper), the cache is cleared and
+    read again: every other setting reads the same environment again."""
+    with _toolchain.clang_env() as cc:
+        seen = tg_helpers.getenv("CC", "clang")
+        if seen != cc and shutil.which(seen) is None:
+            tg_helpers.getenv.cache_clear()
+            tg_helpers.getenv("CC", "clang")
 
 
 def _np_dtype(dtype: Any, where: str) -> np.dtype[Any]:
@@ -270,7 +288,6 @@ def capture(
     ret: Any = None
     compiler = _toolchain.clang_env() if kind == "cpu" else contextlib.nullcontext()
     with compiler, Context(DEV=device, JIT=2):
-        tg_helpers.getenv("CC", "clang")  # tinygrad reads $CC once: now, within clang_env
         for step in range(2):
             xs = [Tensor(np.ascontiguousarray(a), device=device).realize() for a in inputs]
             kw = {
