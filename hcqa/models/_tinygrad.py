@@ -286,8 +286,7 @@ def capture(
     tvars = {n: TgVariable(n, lo, hi) for n, (lo, hi) in variables.items()}
     jit = TinyJit(fn)
     ret: Any = None
-    compiler = _toolchain.clang_env() if kind == "cpu" else contextlib.nullcontext()
-    with compiler, Context(DEV=device, JIT=2):
+    with Context(DEV=device, JIT=2):  # prepare() settled tinygrad's compiler
         for step in range(2):
             xs = [Tensor(np.ascontiguousarray(a), device=device).realize() for a in inputs]
             kw = {
