@@ -279,30 +279,69 @@ def test_the_zig_wrapper_compiles_tinygrads_c(
     assert len(jit_loader(r.stdout)) > 0  # tinygrad's own loader takes it (no debug relocations)
 
 
-def test_tinygrad_compiles_with_the_zig_wrapper_whatever_touched_it_first(tmp_path: Any) -> None:
+_FIRST_TOUCH = {
+    # a user's own weights put on hcqa's tinygrad device
+    "weights": (
+        "        where = models.tinygrad_device(dev)\n"
+        "        x = Tensor(np.arange(12, dtype=np.float32).reshape(2, 6), device=where)\n"
+        "        print(json.dumps((x * 2 + 1).numpy().tolist()))\n"
+    ),
+    # an ONNX model on tinygrad: its runner's constants open tinygrad's CPU device
+    "onnx": (
+        "        m = await models.load_onnx(sys.argv[1], device=dev, batch_sizes=(2,))\n"
+        "        x = np.arange(12, dtype=np.float32).reshape(2, 6)\n"
+        "        print(json.dumps((await m(x)).tolist()))\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("first", sorted(_FIRST_TOUCH))
+def test_tinygrad_compiles_with_the_zig_wrapper_whatever_touched_it_first(
+    tmp_path: Any, first: str
+) -> None:
     """On a machine whose only clang is the ziglang wheel, tinygrad read ``$CC`` before hcqa
     did (a user's own tinygrad code ran first: its cached default is a ``clang`` that is not
-    there); hcqa's tinygrad device still compiles (with the wrapper), and so does an ONNX
-    runner opened on it (its constants open tinygrad's CPU device, which compiles helpers).
-    Run in a child whose PATH holds no clang, as on such a machine."""
+    there); hcqa's tinygrad device still compiles (with the wrapper), whether a user's weights
+    or an ONNX model's runner opens tinygrad's CPU device first (it compiles helper programs
+    when it opens). Run in a child whose PATH holds no compiler, as on such a machine; the
+    answers are checked against numpy's and onnxruntime's."""
+    import json
     import subprocess
     import sys
 
     if importlib.util.find_spec("ziglang") is None:
         pytest.skip("the ziglang wheel is not installed")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gemm", ["x", "W", "B"], ["h"], name="fc"),
+            helper.make_node("Relu", ["h"], ["y"], name="act"),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 5])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "B")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = tmp_path / "tiny.onnx"
+    path.write_bytes(model.SerializeToString())
     script = (
+        "import json, sys\n"
         "import numpy as np\n"
         "from tinygrad import helpers\n"
         "assert helpers.getenv('CC', 'clang') == 'clang'  # read before hcqa, and cached\n"
+        "import trio\n"
         "import hcqa\n"
         "from hcqa import models\n"
         "from tinygrad import Tensor\n"
         "async def main():\n"
         "    async with hcqa.open_devices('cpu:0') as (dev,):\n"
-        "        where = models.tinygrad_device(dev)\n"
-        "        x = Tensor(np.arange(8, dtype=np.float32), device=where)\n"
-        "        print(((x * 2 + 1).sum()).numpy())\n"
-        "import trio\n"
+        f"{_FIRST_TOUCH[first]}"
         "trio.run(main)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "PATH", "PYTHONPATH")}
@@ -310,7 +349,7 @@ def test_tinygrad_compiles_with_the_zig_wrapper_whatever_touched_it_first(tmp_pa
     env["HCQA_CACHE_DIR"] = str(tmp_path / "cache")
     env["CACHEDB"] = str(tmp_path / "tinygrad.db")  # compiles, not tinygrad's cached binaries
     r = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, str(path)],
         env=env,
         capture_output=True,
         text=True,
@@ -318,7 +357,15 @@ def test_tinygrad_compiles_with_the_zig_wrapper_whatever_touched_it_first(tmp_pa
         check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert float(r.stdout.split()[-1]) == 64.0  # sum(2 * i + 1 for i < 8)
+    got = np.array(json.loads(r.stdout.splitlines()[-1]), np.float32)
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    if first == "onnx":
+        import onnxruntime as ort
+
+        want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(got, x * 2 + 1)
 
 
 async def test_a_cancelled_call_leaves_the_model_answering() -> None:
