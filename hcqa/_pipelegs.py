@@ -1,12 +1,9 @@
-"""Legs: a lone asyncio Pipeline call as one batch per device (``hcqa/pipeline.py``).
+"""Legs: a Pipeline call as one batch per device (``hcqa/pipeline.py``).
 
 Theory of operation
 -------------------
-An asyncio caller's lone :class:`~hcqa.Pipeline` call runs *step by step* (see the
-pipeline's module doc): it enqueues each step once the one before is reached, so that each
-enqueue finds its hazards done and goes straight to an idle engine, with no trio task woken.
-Between two steps on the *same* queue there is nothing to wait for: the queue keeps their
-order. So a *leg* is one batch on one device's compute queue that holds, in order:
+Between two steps of a call on the *same* queue there is nothing to wait for: the queue keeps
+their order. So a *leg* is one batch on one device's compute queue that holds, in order:
 
 * on the first device, the copy of the caller's array into the slot's input;
 * the stage's launch, and the next stages' launches while they run on the same device;
@@ -15,10 +12,13 @@ order. So a *leg* is one batch on one device's compute queue that holds, in orde
   the last device, the copy-out into the caller's result array.
 
 One ``Device._submit`` and one fence per device instead of one per copy, launch and
-transfer: each device's leg is enqueued on the loop once the leg before it is reached. The
-host still gates every wait between devices (the cpu backend keeps no device-side waits):
-what goes is the Python on the loop -- three of the five enqueues of a 2-stage call, and
-the trips round the loop between them.
+transfer. A call sends its legs at once (the next leg's wait on the one before is gated by
+the host: the cpu backend keeps no device-side waits), so a microbatch crosses each device
+boundary with one hand-off through the event loop, where a transfer on the copy queue takes
+two (kernel -> copy engine -> next kernel). An asyncio caller's lone call runs *step by
+step* instead (see the pipeline's module doc): each leg is enqueued on the loop once the
+leg before it is reached, so it finds its hazards done and goes straight to an idle engine,
+with no trio task woken.
 
 Copies that open a leg ahead of a Python kernel are marked for the engine's Python thread
 (``lane.PYTHON``): on a native lane's thread they would run first and then hand over to
@@ -28,7 +28,8 @@ Legs are planned from the slot's steps (the graph's enqueues, recorded when the 
 built) when every step is a plain program launch with int vals and sizes, or a transfer,
 between devices whose memory is host memory and whose compute queue takes host copies
 (``Device._copies_on_compute``: cpu devices with host-visible memory); else (a Graph stage,
-OpenCL, a staged device) the call enqueues the steps one by one.
+OpenCL, a staged device) the call replays the slot's graph (step by step: enqueues its steps
+one by one).
 """
 
 from __future__ import annotations

@@ -9,37 +9,49 @@ buffers (each stage's input and output) and one captured :class:`~hcqa.graph.Gra
 stage on its slot and moves each stage's output to the next stage's device
 with ``hcqa.transfer``. Graphs of different slots share no buffers, so while
 slot ``k`` runs stage 2 on ``cpu:1``, slot ``k + 1`` runs stage 1 on ``cpu:0``,
-and the transfers between them run on the copy engines: the devices overlap.
+and the transfers between them run on the copy engines (or right behind the kernels, in
+legs: below): the devices overlap.
 
 ``await pipe(x)`` takes a free slot (a ``trio.Semaphore`` of ``depth`` bounds
-the microbatches in flight: that is the backpressure), enqueues ``copyin(x)``,
-the slot's replay and ``copyout`` into a fresh array, and awaits the copyout.
-The three are ordered by the buffers' hazards, not by awaiting in between. Calls reach
-the devices in the order they were made, so a stage with state (``s = x - s``, a Graph
-stage on shared scratch) sees them in that order: each keeps its place in the slot pool's
-line (:mod:`hcqa._slots`) from the call until its work is queued.
+the microbatches in flight: that is the backpressure), enqueues the microbatch's work and
+awaits its copy-out into a fresh array. Its parts are ordered by the buffers' hazards, not
+by awaiting in between. Calls reach the devices in the order they were made, so a stage with
+state (``s = x - s``, a Graph stage on shared scratch) sees them in that order: each keeps
+its place in the slot pool's line (:mod:`hcqa._slots`) from the call until its work is queued.
 
-The copy-out runs on the last stage's *compute* queue, right behind its kernel, where
-the device allows it (``Device._copies_on_compute``: cpu devices with host-visible
-memory, OpenCL). On the copy queue it would sit behind the transfer that brings the
-next microbatch to that stage, and that transfer behind it: every microbatch's output
-would wait for a round of copy-engine and event-loop wake-ups before the last stage
-could start the next one (measured: a 1.3-1.5 ms gap per microbatch in the last stage
-of a 2-stage MLP with 13 ms stages, against 0.65 ms this way).
+Where every stage is a plain launch on a device whose memory is host memory and whose
+compute queue takes host copies (``Device._copies_on_compute``: cpu devices with
+host-visible memory), the work is one batch per device, a *leg* (``_pipelegs.py``): the
+copy-in, the device's launches and the transfer to the next device, right behind the kernel
+that wrote its source; on the last device, its launches and the copy-out. The legs go at
+once, and the host gates the wait between two of them (the cpu backend keeps no device-side
+waits): one hand-off per device boundary, where the copy-in and a transfer on the copy
+queues take three (copy engine -> kernel -> copy engine -> next kernel, each through the
+event loop and an engine's wake-up). Measured on a 2-vCPU host: a lone call of a 2-stage
+pipeline on 16x16 arrays 0.6x the latency (p50 200-220 us against 345-366 us), ``map`` 1.5x
+the items per second; a compute-bound one (``bench/bench_pipeline.py``, 12 ms stages) the
+same either way, its copies now on the engines that compute.
+
+Elsewhere (a Graph stage, OpenCL, a staged device) the call enqueues ``copyin(x)``, the
+slot's graph replay and the copy-out. The copy-out runs on the last stage's *compute*
+queue, right behind its kernel, where the device allows it (``_copies_on_compute``: OpenCL
+too). On the copy queue it would sit behind the transfer that brings the next microbatch to
+that stage, and that transfer behind it: every microbatch's output would wait for a round
+of copy-engine and event-loop wake-ups before the last stage could start the next one
+(measured: a 1.3-1.5 ms gap per microbatch in the last stage of a 2-stage MLP with 13 ms
+stages, against 0.65 ms this way).
 
 From an asyncio task (see ``hcqa.aio``) a call that finds a free slot and no call in
 line before it runs on that task. When it is the only one in flight it runs *step by
-step*: it enqueues the slot's copy-in, transfers, programs and copy-out one at a time,
-each once the one before is reached (awaited on the asyncio loop, unless already reached),
-so each enqueue finds its hazards done and goes straight to an idle engine: no trio task
-is woken (under asyncio that costs a hand-off through trio's guest I/O thread). Where the
-devices allow it, the steps on one device go as one batch, a *leg* (``_pipelegs.py``): one
-hand-off per device. It keeps its place in line until its last step (or leg) is queued; a
-call that joins the line behind it makes it queue its remaining steps at once (legs keep
-their waits: the host gates the waits between devices). With other calls in flight it
-replays the graph as under trio, so the queue actors chain the stages without a busy
-asyncio loop between them. A call that must wait runs in the trio host, its place in line
-taken before it goes there.
+step*: it enqueues its legs (without legs: the copy-in, transfers, programs and copy-out)
+one at a time, each once the one before is reached (awaited on the asyncio loop, unless
+already reached), so each enqueue finds its hazards done and goes straight to an idle
+engine: no trio task is woken (under asyncio that costs a hand-off through trio's guest I/O
+thread). It keeps its place in line until its last leg (or step) is queued; a call that
+joins the line behind it makes it queue its remaining steps at once (legs keep their
+waits). With other calls in flight it goes as under trio (legs at once, or the graph's
+replay), so the queue actors chain the stages without a busy asyncio loop between them. A
+call that must wait runs in the trio host, its place in line taken before it goes there.
 
 A Graph stage is recorded into each slot's graph (``g.submit(buffers=...)`` in a capture)
 on the slot's own input and output buffers; what else it uses (weights, scratch) the slots
@@ -246,8 +258,12 @@ class Pipeline:
                 inp = out
         slot = _Slot(graph=graph, inp=first, out=inp, steps=steps)
         slot.legs = plan_legs(steps, first, inp)
-        out_queue = inp.device._copyout_queue(on_compute=True)  # as _run's copy-out
-        for a in [first.device.copy, *(p.actor for p in graph._plan.parts), out_queue]:
+        if slot.legs is not None:  # every call sends one batch per leg (see _run)
+            queues = [leg.device.compute for leg in slot.legs]
+        else:  # the copy-in, the graph's parts, the copy-out
+            out_queue = inp.device._copyout_queue(on_compute=True)  # as _run's copy-out
+            queues = [first.device.copy, *(p.actor for p in graph._plan.parts), out_queue]
+        for a in queues:
             slot.need[a] = slot.need.get(a, 0) + 1
         return slot
 
@@ -286,20 +302,22 @@ class Pipeline:
     ) -> npt.NDArray[Any]:
         """One microbatch on ``lease``'s slot; leaves its turn once all of it is queued.
 
-        ``stepwise`` (an asyncio caller, see the module doc): enqueue the graph's steps
-        (or legs) one by one, each once the last one is reached, instead of replaying it --
-        steps, not legs, go at once when a call waits in line behind it."""
+        The slot's legs, where it has them, go at once: one batch per device, the host
+        gating the waits between them. ``stepwise`` (an asyncio caller, see the module doc):
+        enqueue the legs (or the graph's steps) one by one, each once the last one is
+        reached, instead -- steps, not legs, go at once when a call waits in line behind
+        it."""
         with lease:
             slot = lease.slot
             while short := [a for a, k in slot.need.items() if a.room < k]:
                 await short[0].wait_for_space()
             result = np.empty(self.out_shape, self.out_dtype)
-            legs = slot.legs if stepwise else None
+            legs = slot.legs
             fence = legs[0].submit(arr, result) if legs else slot.inp.copyin(arr)
             lease.fence = fence
             if legs:  # (the first leg copies arr in, the last one copies out)
                 for leg in legs[1:]:
-                    if not reached(fence):
+                    if stepwise and not reached(fence):
                         await fence
                     fence = lease.fence = leg.submit(arr, result)
             else:

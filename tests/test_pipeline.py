@@ -571,34 +571,36 @@ async def test_every_shape_is_an_int_or_a_sequence_of_ints() -> None:
     assert shape == (4,) and specs[0].out_shape == (2, 2)
 
 
-async def _last_device_batches(host_visible: bool, n: int) -> tuple[int, int]:
-    """Batches submitted to cpu:1's (compute, copy) queues by ``n`` microbatches of a
-    2-stage pipeline cpu:0 -> cpu:1, results checked."""
+async def _batches(host_visible: bool, n: int) -> tuple[int, int, int, int]:
+    """Batches submitted to cpu:0's and cpu:1's (compute, copy) queues by ``n`` microbatches
+    of a 2-stage pipeline cpu:0 -> cpu:1, results checked."""
     async with hcqa.open_devices("cpu:0", "cpu:1", host_visible=host_visible) as (d0, d1):
         pipe = Pipeline([(d0, add1), (d1, dbl)], in_shape=(4,), depth=2)
         await pipe(xs_of(1)[0])  # warm-up: programs built, slots made
 
-        def counts() -> tuple[int, int]:
-            return d1.compute.statistics().submitted, d1.copy.statistics().submitted
+        def counts() -> list[int]:
+            return [q.statistics().submitted for d in (d0, d1) for q in (d.compute, d.copy)]
 
         before = counts()
         xs = xs_of(n)
         outs = [await pipe(x) for x in xs]
         for x, out in zip(xs, outs, strict=True):
             np.testing.assert_array_equal(out, (x + 1) * 2)
-        compute, copy = counts()
-        return compute - before[0], copy - before[1]
+        c0, k0, c1, k1 = np.subtract(counts(), before).tolist()
+        return c0, k0, c1, k1
 
 
-async def test_output_leaves_on_the_last_stage_s_compute_queue() -> None:
-    """The copy-out runs right behind the last kernel on its compute queue (never behind the
-    next microbatch's incoming transfer on the copy engine); through the staging ring it
-    stays on the copy queue, that ring's one user."""
+async def test_a_call_is_one_batch_per_device_where_compute_queues_take_host_copies() -> None:
+    """On host-visible cpu devices a call is one batch per device on its compute queue (a
+    leg): the copy-in, the kernel and the transfer to cpu:1 right behind it on cpu:0; the
+    kernel and the copy-out on cpu:1. Nothing waits on a copy engine, so a microbatch
+    crosses to the next device with one hand-off. Through the staging ring the copies stay
+    on the copy queues, that ring's one user."""
     n = 5
-    visible = await _last_device_batches(True, n)
-    staged = await _last_device_batches(False, n)
-    # the same work on both, but each copy-out moved from the copy queue to the compute queue
-    assert visible == (staged[0] + n, staged[1] - n), (visible, staged)
+    assert await _batches(True, n) == (n, 0, n, 0)
+    _, _, c1, k1 = await _batches(False, n)
+    assert c1 == n  # the kernels only
+    assert k1 >= 2 * n  # the transfer in and the copy-out
 
 
 # -- footguns caught when the pipeline is built ----------------------------------------------
@@ -682,20 +684,25 @@ async def test_kernel_that_returns_its_result_faults_with_the_fix() -> None:
 
 
 async def test_a_queue_too_shallow_for_one_call_is_refused_when_built() -> None:
-    """A call queues its copy-in, kernel and copy-out on the last device's compute queue at
-    once and waits for room for all of them: on a queue that takes fewer it would wait for
-    ever. Refused when the Pipeline is built, naming the queue and the depth it needs."""
+    """A call queues its batches at once and waits for room for all of them: on a queue that
+    takes fewer it would wait for ever. Through the staging ring the copy-in and the copy-out
+    both go on the copy queue: refused when the Pipeline is built, naming the queue and the
+    depth it needs. On host-visible memory a call is one batch (its leg), so a queue of one
+    serves it."""
 
     def twice(out: np.ndarray, x: np.ndarray) -> None:
         np.multiply(x, 2, out=out)
 
-    async with hcqa.open_device("cpu:0", queue_depth=1) as d:
+    async with hcqa.open_device("cpu:0", queue_depth=1, host_visible=False) as d:
         with pytest.raises(
             hcqa.InvalidCommand,
-            match=r"cpu:0 compute queue .* 'queue_depth' must be >= 2 \(got 1\)",
+            match=r"2 batches on the cpu:0 copy queue .* 'queue_depth' must be >= 2 \(got 1\)",
         ):
             hcqa.Pipeline([hcqa.Stage(device=d, program=twice)], in_shape=(4,))
-    async with hcqa.open_device("cpu:0", queue_depth=2) as d:
-        pipe = hcqa.Pipeline([hcqa.Stage(device=d, program=twice)], in_shape=(4,))
-        with trio.fail_after(10):
-            np.testing.assert_array_equal(await pipe(np.ones(4, np.float32)), np.full(4, 2.0))
+    for depth, visible in ((2, False), (1, True)):
+        async with hcqa.open_device("cpu:0", queue_depth=depth, host_visible=visible) as d:
+            pipe = hcqa.Pipeline([hcqa.Stage(device=d, program=twice)], in_shape=(4,))
+            with trio.fail_after(10):
+                ys = await pipe.map([np.full(4, float(i), np.float32) for i in range(4)])
+            for i, y in enumerate(ys):
+                np.testing.assert_array_equal(y, np.full(4, 2.0 * i))
