@@ -87,6 +87,40 @@ async def test_rebinding_runs_the_graph_on_other_buffers_fused_and_not() -> None
             assert g.statistics().native_runs == 1  # nothing rebuilt for good
 
 
+async def test_a_rebound_fused_run_names_the_buffers_it_runs_on() -> None:
+    """A fused C run rebound for a replay reads and writes the new buffers at every place the
+    old ones held -- a buffer read twice, one both read and written -- and nothing else moves;
+    the template stays on its own buffers, so replays rebound alternately and not at all each
+    compute on theirs and carry their hazards."""
+    with trio.fail_after(TIMEOUT):
+        async with hcqa.open_device("cpu:0") as d:
+            addk = d.program("addk", ADDK)
+            a, b, c, a2, c2 = (_i64(d) for _ in range(5))
+            with hcqa.capture() as g:
+                addk(b, a, vals=(1, 4))  # b = a + 1
+                addk(a, b, vals=(2, 4))  # a = b + 2 (a read, then written)
+                addk(c, a, vals=(3, 4))  # c = a + 3 (a read again)
+            assert g.statistics().native_runs == 1
+            (run,) = [x for x in g._plan.parts[0].template if isinstance(x, RunC)]
+            for rebind in ({a: a2}, {c: c2}, {a: a2, c: c2}, {b: b}, {a2: c2}):
+                got = run.bound(None, rebind)
+                assert got.reads == tuple(rebind.get(x, x) for x in run.reads), rebind
+                assert got.writes == tuple(rebind.get(x, x) for x in run.writes), rebind
+            assert a in run.reads and a in run.writes and a2 not in run.reads  # untouched
+            await a.copyin(np.zeros(4, I64))
+            await a2.copyin(np.full(4, 100, I64))
+            g.submit(buffers={a: a2, c: c2})  # no await: the copy-outs wait by hazards
+            host = np.empty(4, I64)
+            await c2.copyout(host)
+            assert host.tolist() == [106] * 4 and (await _read(a2)).tolist() == [103] * 4
+            await g()
+            assert (await _read(c)).tolist() == [6] * 4 and (await _read(a)).tolist() == [3] * 4
+            await g(buffers={a: a2})  # a2 = 103 -> 106, c = 109
+            assert (await _read(c)).tolist() == [109] * 4
+            assert (await _read(a2)).tolist() == [106] * 4
+            assert (await _read(a)).tolist() == [3] * 4
+
+
 async def test_rebinding_a_transfer_and_host_copies() -> None:
     with trio.fail_after(TIMEOUT):
         async with hcqa.open_devices("cpu:0", "cpu:1") as (d0, d1):

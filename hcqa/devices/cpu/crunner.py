@@ -95,6 +95,9 @@ class RunC(FusedRun):
         default=(), init=False, repr=False
     )
     native: Any = attrs.field(default=None, init=False, repr=False)  # a native lane's record
+    # per buffer: its positions in ``reads`` and in ``writes`` (made at the first rebinding,
+    # shared by the copies over the same buffers)
+    bufpos: Any = attrs.field(default=None, init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.refmap is None:
@@ -139,14 +142,33 @@ class RunC(FusedRun):
                 table[positions] = wrap64(v)
         if rebind:
             refmap = self.refmap
+            at = self.bufpos if self.bufpos is not None else self._buffer_positions()
+            reads: list[Buffer] | None = None
+            writes: list[Buffer] | None = None
             for old, new in rebind.items():
                 positions = refmap.get(old)
                 if positions is not None:
                     table[positions] = new.va_addr
-            reads = tuple(rebind.get(b, b) for b in self.reads)
-            writes = tuple(rebind.get(b, b) for b in self.writes)
-            return self.with_table(table, reads, writes)
+                where = at.get(old)
+                if where is not None:  # (the rest of the run's buffers stay: no pass over all)
+                    if reads is None or writes is None:
+                        reads, writes = list(self.reads), list(self.writes)
+                    for i in where[0]:
+                        reads[i] = new
+                    for i in where[1]:
+                        writes[i] = new
+            if reads is not None and writes is not None:
+                return self.with_table(table, tuple(reads), tuple(writes))
         return self.with_table(table)
+
+    def _buffer_positions(self) -> dict[Any, tuple[list[int], list[int]]]:
+        """Per buffer, its positions in ``reads`` and in ``writes`` (cached on the run)."""
+        at: dict[Any, tuple[list[int], list[int]]] = {}
+        for k, bufs in enumerate((self.reads, self.writes)):
+            for i, b in enumerate(bufs):
+                at.setdefault(b, ([], []))[k].append(i)
+        object.__setattr__(self, "bufpos", at)
+        return at
 
     def with_table(
         self,
@@ -172,6 +194,7 @@ class RunC(FusedRun):
         setattr_(new, "symbols", self.symbols)
         setattr_(new, "groups", self.groups)
         setattr_(new, "native", None)
+        setattr_(new, "bufpos", self.bufpos if reads is None and writes is None else None)
         return new
 
     def __call__(self) -> None:
