@@ -143,22 +143,20 @@ class RunC(FusedRun):
         if rebind:
             refmap = self.refmap
             at = self.bufpos if self.bufpos is not None else self._buffer_positions()
-            reads: list[Buffer] | None = None
-            writes: list[Buffer] | None = None
+            access: tuple[list[Buffer], list[Buffer]] | None = None  # (reads, writes) rebound
             for old, new in rebind.items():
                 positions = refmap.get(old)
                 if positions is not None:
                     table[positions] = new.va_addr
                 where = at.get(old)
                 if where is not None:  # (the rest of the run's buffers stay: no pass over all)
-                    if reads is None or writes is None:
-                        reads, writes = list(self.reads), list(self.writes)
-                    for i in where[0]:
-                        reads[i] = new
-                    for i in where[1]:
-                        writes[i] = new
-            if reads is not None and writes is not None:
-                return self.with_table(table, tuple(reads), tuple(writes))
+                    if access is None:
+                        access = list(self.reads), list(self.writes)
+                    for listed, places in zip(access, where, strict=True):
+                        for i in places:
+                            listed[i] = new
+            if access is not None:
+                return self.with_table(table, tuple(access[0]), tuple(access[1]))
         return self.with_table(table)
 
     def _buffer_positions(self) -> dict[Any, tuple[list[int], list[int]]]:
